@@ -1,0 +1,91 @@
+"""Core costs, measured side by side on the bundled language workload (scan+remat char GPT).
+
+runtime_overhead_ratio: median time of a scheduled-injection train step on steps where the schedule
+  does not fire, over the median time of the plain jitted train step (interleaved calls, same state
+  and batch). Goal <= 1.03. Measured with the candidate switched at every dot_general site (the
+  main figure) and at one site.
+sweep_speedup: time to run the train step once per dot_general site with a fault at that site,
+  recompiling per site (`jit(substitute(step, {i: fault}))`), over the time to do the same sweep on
+  one compiled `switched` executable (its compile included). Goal >= 10 at >= 30 sites.
+
+Prints one JSON object on one line. Runs with no arguments in a few minutes on 2 CPU cores.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import peat_jax as peat
+from peat_jax import models
+
+
+def _time(fn, *args) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
+def overhead(train_step, state, batch, selector, repeats: int) -> float:
+    plain = jax.jit(train_step)
+    injected = jax.jit(peat.inject(train_step, {selector: peat.faults.scale(2.0)},
+                                   peat.every(1_000_000, offset=999_999)))
+    jax.block_until_ready(plain(state, batch))
+    jax.block_until_ready(injected(state, batch, 0))
+    a, b = [], []
+    for i in range(repeats):
+        if i % 2:
+            a.append(_time(plain, state, batch))
+            b.append(_time(injected, state, batch, i))
+        else:
+            b.append(_time(injected, state, batch, i))
+            a.append(_time(plain, state, batch))
+    assert injected._cache_size() == 1, "injection recompiled"
+    return statistics.median(b) / statistics.median(a)
+
+
+def sweep(train_step, state, batch, n_sites: int) -> tuple[float, int, float, float]:
+    sites = [s.index for s in peat.list_sites(train_step, state, batch)
+             if s.primitive == "dot_general"][:n_sites]
+    fault = peat.faults.scale(2.0)
+    t0 = time.perf_counter()
+    sw = jax.jit(peat.switched(train_step, {"dot_general": fault}))
+    for i in sites:
+        jax.block_until_ready(sw(i, state, batch))
+    one_compile = time.perf_counter() - t0
+    assert sw._cache_size() == 1, "switched sweep recompiled"
+    t0 = time.perf_counter()
+    for i in sites:
+        jax.block_until_ready(jax.jit(peat.substitute(train_step, {i: fault}))(state, batch))
+    recompile = time.perf_counter() - t0
+    return recompile / one_compile, len(sites), one_compile, recompile
+
+
+def main() -> None:
+    wl = models.get("language")
+    state = wl.init(jax.random.key(0))
+    batch = jax.tree.map(jnp.asarray, wl.batch(0))
+    n_all = sum(s.primitive == "dot_general" for s in peat.list_sites(wl.train_step, state, batch))
+    ratio_all = overhead(wl.train_step, state, batch, "dot_general", repeats=41)
+    ratio_one = overhead(wl.train_step, state, batch, 0, repeats=41)
+    speedup, n, t_one, t_re = sweep(wl.train_step, state, batch, n_sites=n_all)
+    print(json.dumps({
+        "runtime_overhead_ratio": round(ratio_all, 4),
+        "runtime_overhead_ratio_one_site": round(ratio_one, 4),
+        "switched_sites": n_all,
+        "sweep_speedup": round(speedup, 2),
+        "sweep_sites": n,
+        "sweep_one_compile_s": round(t_one, 2),
+        "sweep_recompile_s": round(t_re, 2),
+        "workload": wl.name,
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+    }))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+from peat_jax.cli import main
+import sys
+sys.exit(main())

@@ -1,0 +1,316 @@
+"""The one place that knows jaxpr internals.
+
+It walks a closed jaxpr in a fixed depth-first order, numbers the op sites it meets, and
+re-evaluates the jaxpr with a rule per selected site. Everything else in peat_jax talks to it
+through `Op` (one visited equation) and `evaluate`.
+
+Numbering: equations are visited in program order; an equation that is a site gets the next index
+*before* the sites nested inside it (a region is numbered before its body). Sub-jaxprs are visited
+in a fixed order: a `cond`'s branches in branch order, a `while`'s cond then body. A site inside a
+`scan` or `while` body is one site for every iteration.
+
+Re-evaluation binds every equation that holds no selected site exactly as it was (same primitive,
+same params), so that a program with nothing substituted compiles to the same computation. A
+container with a selected site inside is rebuilt with the public constructors (`lax.scan`,
+`lax.while_loop`, `lax.switch`, `jax.checkpoint`) or inlined (`jit`, `closed_call`, custom
+derivative calls: their custom rule is dropped for the substituted evaluation and autodiff of the
+substituted body is used instead).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+import jax
+from jax import lax
+from jax._src import core as _core
+from jax._src import source_info_util as _siu
+
+# Compute ops that are sites by default. Pure data movement and plain arithmetic
+# (add, mul, reshape, broadcast, ...) are not; pass primitives="all" to list them too.
+SITE_PRIMITIVES: frozenset[str] = frozenset({
+    # contractions
+    "dot_general", "conv_general_dilated", "ragged_dot_general",
+    # reductions
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_precision",
+    "argmax", "argmin", "cumsum", "cumprod", "cummax", "cumlogsumexp", "reduce_and", "reduce_or",
+    # elementwise transcendental and special functions
+    "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "asin",
+    "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc", "erf_inv",
+    "rsqrt", "sqrt", "cbrt", "pow", "lgamma", "digamma",
+    # kernels (opaque bodies)
+    "ffi_call", "pallas_call", "triton_kernel_call", "custom_call", "pure_callback",
+})
+
+# Primitives whose bodies are kernels, not part of the XLA graph: never descended into.
+OPAQUE_PRIMITIVES: frozenset[str] = frozenset({
+    "pallas_call", "triton_kernel_call", "ffi_call", "custom_call", "pure_callback",
+    "io_callback", "mosaic_gpu_call",
+})
+
+_INLINE_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
+                           "custom_vjp_call", "custom_vjp_call_jaxpr"})
+_REMAT = frozenset({"remat2", "checkpoint", "remat"})
+
+REGION_PREFIX = "peat_region__"
+REGION_BWD_PREFIX = "peat_region_bwd__"
+_REGION_RE = re.compile(r"peat_region(_bwd)?__(\w+?)__r(\d+)")
+
+_TRANSFORM_RE = re.compile(r"^(?:[A-Za-z_]\w*\()+(.*?)\)*$")
+_HIDDEN_SCOPES = frozenset({"rematted_computation", "checkpoint", "remat"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One visited equation that is a site: where it is and what it is."""
+
+    index: int
+    eqn: Any                     # jax.extend.core.JaxprEqn
+    name_stack: str              # joined with the enclosing equations' stacks
+    containers: tuple[str, ...]  # primitives of the enclosing containers, outermost first
+    region: Optional[tuple[str, bool, int]]  # (name, is_bwd, region id) for a region call
+
+
+def region_of(eqn) -> Optional[tuple[str, bool, int]]:
+    """(name, is_backward, id) when `eqn` is the call of a peat region, else None."""
+    if eqn.primitive.name not in ("jit", "pjit"):
+        return None
+    m = _REGION_RE.search(str(eqn.params.get("name", "")))
+    if m is None:
+        return None
+    region = m.group(2), m.group(1) is not None, int(m.group(3))
+    from peat_jax.regions import is_whole_region  # regions builds on this module
+    return region if is_whole_region(eqn, region) else None
+
+
+def clean_path(name_stack: str) -> str:
+    """Module path from a name stack: transforms stripped (`transpose(jvp(MLP))/head` -> `MLP/head`)."""
+    parts = []
+    for comp in name_stack.split("/"):
+        m = _TRANSFORM_RE.match(comp)
+        comp = m.group(1) if m else comp
+        comp = comp.strip("()")
+        if comp and comp not in _HIDDEN_SCOPES and (not parts or parts[-1] != comp):
+            parts.append(comp)
+    return "/".join(parts)
+
+
+def _sub_jaxprs(eqn) -> list[tuple[str, Any]]:
+    """The (param name, closed-or-open jaxpr) pairs that `eqn` evaluates, in visiting order."""
+    name = eqn.primitive.name
+    if name in OPAQUE_PRIMITIVES:
+        return []
+    p = eqn.params
+    if name == "cond":
+        return [("branches", b) for b in p["branches"]]
+    if name == "while":
+        return [("cond_jaxpr", p["cond_jaxpr"]), ("body_jaxpr", p["body_jaxpr"])]
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        if key in p and _is_jaxpr(p[key]):
+            return [(key, p[key])]
+    return []
+
+
+def _is_jaxpr(v) -> bool:
+    return isinstance(v, (_core.Jaxpr, _core.ClosedJaxpr))
+
+
+def _open(j):
+    return j.jaxpr if isinstance(j, _core.ClosedJaxpr) else j
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Per-jaxpr numbering: for each equation, its local site offset and how many sites it holds."""
+
+    offsets: tuple[int, ...]   # site index of eqn i relative to the jaxpr's base (before eqn i)
+    is_site: tuple[bool, ...]
+    counts: tuple[int, ...]    # sites in eqn i's subtree, itself included
+    total: int
+
+
+class Program:
+    """A closed jaxpr with its site numbering (for one site predicate)."""
+
+    def __init__(self, closed_jaxpr, is_site: Callable[[Any], bool]):
+        self.closed_jaxpr = closed_jaxpr
+        self._is_site = is_site
+        self._plans: dict[int, _Plan] = {}
+        self._keep: list[Any] = []  # keep jaxprs alive so that id() stays unique
+        self.num_sites = self.plan(closed_jaxpr.jaxpr).total
+
+    def eqn_is_site(self, eqn) -> bool:
+        return self._is_site(eqn)
+
+    def plan(self, jaxpr) -> _Plan:
+        jaxpr = _open(jaxpr)
+        got = self._plans.get(id(jaxpr))
+        if got is not None:
+            return got
+        offsets, flags, counts = [], [], []
+        n = 0
+        for eqn in jaxpr.eqns:
+            own = bool(self._is_site(eqn))
+            sub = sum(self.plan(j).total for _, j in _sub_jaxprs(eqn))
+            offsets.append(n)
+            flags.append(own)
+            counts.append(int(own) + sub)
+            n += int(own) + sub
+        plan = _Plan(tuple(offsets), tuple(flags), tuple(counts), n)
+        self._plans[id(jaxpr)] = plan
+        self._keep.append(jaxpr)
+        return plan
+
+    def ops(self) -> Iterator[Op]:
+        """Every site, in index order."""
+        yield from self._walk(self.closed_jaxpr.jaxpr, 0, "", ())
+
+    def _walk(self, jaxpr, base, stack, containers) -> Iterator[Op]:
+        jaxpr = _open(jaxpr)
+        plan = self.plan(jaxpr)
+        for i, eqn in enumerate(jaxpr.eqns):
+            idx = base + plan.offsets[i]
+            eqn_stack = _join(stack, str(eqn.source_info.name_stack))
+            reg = region_of(eqn)
+            if plan.is_site[i]:
+                yield Op(idx, eqn, eqn_stack, containers, reg)
+                idx += 1
+            inner_stack = _join(eqn_stack, reg[0]) if reg else eqn_stack
+            if reg and reg[1]:
+                inner_stack = _join(eqn_stack, f"transpose({reg[0]})")
+            for _, sub in _sub_jaxprs(eqn):
+                yield from self._walk(sub, idx, inner_stack, containers + (eqn.primitive.name,))
+                idx += self.plan(sub).total
+
+
+def _join(a: str, b: str) -> str:
+    if not a:
+        return b
+    if not b:
+        return a
+    return f"{a}/{b}"
+
+
+# A rule computes the outputs of a selected site: rule(op, invals, reference) -> list of outvals,
+# where reference(*invals) binds the original equation and returns its outputs as a list.
+Rule = Callable[[Op, Sequence[Any], Callable[..., list]], Sequence[Any]]
+
+
+def evaluate(program: Program, rules: Mapping[int, Rule], consts, args) -> list:
+    """Re-evaluate `program` on `args`, computing site `i` with `rules[i]` where given.
+
+    Must be called under a trace (jit / make_jaxpr / grad / vmap) or eagerly; returns the flat
+    outputs of the jaxpr.
+    """
+    selected = sorted(rules)
+    return _eval(program, program.closed_jaxpr.jaxpr, consts, list(args), 0, "",
+                 (), rules, selected)
+
+
+def _has_selected(selected: Sequence[int], lo: int, hi: int) -> bool:
+    import bisect
+    k = bisect.bisect_left(selected, lo)
+    return k < len(selected) and selected[k] < hi
+
+
+def _bind(eqn, invals):
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(bind_params, tuple):  # (subfuns, params)
+        subfuns, params = bind_params
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+    else:
+        out = eqn.primitive.bind(*invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _eval(program, jaxpr, consts, args, base, stack, containers, rules, selected) -> list:
+    jaxpr = _open(jaxpr)
+    plan = program.plan(jaxpr)
+    env: dict = {}
+
+    def read(v):
+        return v.val if isinstance(v, _core.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for i, eqn in enumerate(jaxpr.eqns):
+        idx = base + plan.offsets[i]
+        invals = [read(v) for v in eqn.invars]
+        eqn_stack = _join(stack, str(eqn.source_info.name_stack))
+        name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+        with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            if not _has_selected(selected, idx, idx + plan.counts[i]):
+                outs = _bind(eqn, invals)
+            elif plan.is_site[i] and idx in rules:
+                op = Op(idx, eqn, eqn_stack, containers, region_of(eqn))
+                ref = functools.partial(_reference, eqn)
+                outs = list(rules[idx](op, invals, ref))
+            else:
+                sub_base = idx + int(plan.is_site[i])
+                outs = _rebuild(program, eqn, invals, sub_base, eqn_stack, containers, rules,
+                                selected)
+        for v, x in zip(eqn.outvars, outs):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _reference(eqn, *invals) -> list:
+    return _bind(eqn, list(invals))
+
+
+def _rebuild(program, eqn, invals, base, stack, containers, rules, selected) -> list:
+    """Evaluate a container equation with substitutions inside it."""
+    name = eqn.primitive.name
+    p = eqn.params
+    reg = region_of(eqn)
+    inner_stack = _join(stack, reg[0]) if reg else stack
+    inner = containers + (name,)
+
+    def run(j, b, vals):
+        consts = j.consts if isinstance(j, _core.ClosedJaxpr) else []
+        return _eval(program, j, consts, list(vals), b, inner_stack, inner, rules, selected)
+
+    if name in _INLINE_CALLS:
+        (_, j), = _sub_jaxprs(eqn)
+        n_in = len(_open(j).invars)
+        return run(j, base, invals[len(invals) - n_in:])
+    if name in _REMAT:
+        j = p["jaxpr"]
+        fn = jax.checkpoint(lambda *a: run(j, base, a), prevent_cse=p.get("prevent_cse", True),
+                            policy=p.get("policy"))
+        return list(fn(*invals))
+    if name == "scan":
+        j = p["jaxpr"]
+        nc, nk = p["num_consts"], p["num_carry"]
+        consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
+
+        def body(carry, x):
+            outs = run(j, base, list(consts) + list(carry) + list(x))
+            return outs[:nk], outs[nk:]
+
+        carry, ys = lax.scan(body, list(init), list(xs), length=p["length"],
+                             reverse=p["reverse"], unroll=p["unroll"])
+        return list(carry) + list(ys)
+    if name == "while":
+        cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+        body_base = base + program.plan(cj).total
+        out = lax.while_loop(lambda c: run(cj, base, list(cconsts) + list(c))[0],
+                             lambda c: run(bj, body_base, list(bconsts) + list(c)),
+                             list(init))
+        return list(out)
+    if name == "cond":
+        index, ops = invals[0], invals[1:]
+        fns, b = [], base
+        for br in p["branches"]:
+            fns.append(functools.partial(lambda j, bb, *a: run(j, bb, a), br, b))
+            b += program.plan(br).total
+        return list(lax.switch(index, fns, *ops))
+    raise NotImplementedError(
+        f"peat_jax cannot substitute inside a `{name}` equation yet (site index {base}); "
+        "select a site outside it")

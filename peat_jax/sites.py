@@ -1,0 +1,306 @@
+"""Op sites: every occurrence of an op in a traced program, and selectors over them."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import fnmatch
+import threading
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+
+import jax
+import numpy as np
+
+from peat_jax import _interpreter as _ip
+from peat_jax import regions as _regions
+from peat_jax.errors import PeatError
+
+__all__ = ["Site", "Selector", "list_sites", "select", "format_sites"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One occurrence of an op in a traced program.
+
+    Attributes:
+      index: position in the program's depth-first site order (stable for the same function,
+        argument shapes and options); what a traced site index refers to.
+      primitive: the XLA-level primitive (`dot_general`, `exp`, `pallas_call`, ...), or for a
+        composite site the region's name (`softmax`, `LayerNorm`, ...).
+      path: the module path from the name stack with transforms stripped (`MLP/fc1`); for a site
+        inside a region the region's name is the last component.
+      phase: `"fwd"` or `"bwd"` (the site runs in a transposed, i.e. backward, computation).
+      in_shapes, in_dtypes, out_shapes, out_dtypes: operand and result types.
+      params: the op's parameters (e.g. `dimension_numbers`); for a region `{"region": name}`.
+      composite: True for a region (a fused kernel replaces the whole region).
+      scope: primitives of the enclosing containers, outermost first (e.g. `("scan", "remat2")`).
+      name_stack: the raw joined name stack (`transpose(jvp(MLP))/head`).
+    """
+
+    index: int
+    primitive: str
+    path: str
+    phase: str
+    in_shapes: tuple[tuple[int, ...], ...]
+    in_dtypes: tuple[np.dtype, ...]
+    out_shapes: tuple[tuple[int, ...], ...]
+    out_dtypes: tuple[np.dtype, ...]
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    composite: bool = False
+    scope: tuple[str, ...] = ()
+    name_stack: str = dataclasses.field(default="", compare=False, repr=False)
+
+    def __str__(self) -> str:
+        ins = ", ".join(_fmt_type(s, d) for s, d in zip(self.in_shapes, self.in_dtypes))
+        outs = ", ".join(_fmt_type(s, d) for s, d in zip(self.out_shapes, self.out_dtypes))
+        kind = f"[{self.primitive}]" if self.composite else self.primitive
+        where = f" in {'/'.join(self.scope)}" if self.scope else ""
+        return f"#{self.index} {self.phase} {kind} @ {self.path or '<top>'}{where}: ({ins}) -> {outs}"
+
+
+Selector = Union[int, str, Callable[[Site], bool], Sequence[Any]]
+
+
+def _fmt_type(shape, dtype) -> str:
+    return f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"
+
+
+def _aval_types(atoms) -> tuple[tuple, tuple]:
+    shapes, dtypes = [], []
+    for a in atoms:
+        aval = a.aval
+        shapes.append(tuple(getattr(aval, "shape", ())))
+        dt = getattr(aval, "dtype", None)
+        dtypes.append(np.dtype(dt) if dt is not None and not _is_extended(dt) else dt)
+    return tuple(shapes), tuple(dtypes)
+
+
+def _is_extended(dt) -> bool:
+    return jax.dtypes.issubdtype(dt, jax.dtypes.extended)
+
+
+def _site_predicate(primitives: Optional[Union[str, Iterable[str]]]) -> Callable[[Any], bool]:
+    if primitives is None:
+        names = _ip.SITE_PRIMITIVES
+    elif primitives == "all":
+        names = None
+    else:
+        names = frozenset([primitives] if isinstance(primitives, str) else primitives)
+
+    def is_site(eqn) -> bool:
+        if _ip.region_of(eqn) is not None:
+            return True
+        name = eqn.primitive.name
+        if names is None:
+            return not _ip._sub_jaxprs(eqn) or name in _ip.OPAQUE_PRIMITIVES
+        return name in names
+
+    return is_site
+
+
+def _site_of(op: _ip.Op) -> Site:
+    eqn = op.eqn
+    in_shapes, in_dtypes = _aval_types(eqn.invars)
+    out_shapes, out_dtypes = _aval_types(eqn.outvars)
+    path = _ip.clean_path(op.name_stack)
+    if op.region is not None:
+        name, is_bwd, rid = op.region
+        return Site(op.index, name, path, "bwd" if (is_bwd or "transpose(" in op.name_stack) else "fwd",
+                    in_shapes, in_dtypes, out_shapes, out_dtypes,
+                    {"region": name, "region_id": rid, "backward": is_bwd}, True, op.containers,
+                    op.name_stack)
+    phase = "bwd" if "transpose(" in op.name_stack else "fwd"
+    return Site(op.index, eqn.primitive.name, path, phase, in_shapes, in_dtypes, out_shapes,
+                out_dtypes, dict(eqn.params), False, op.containers, op.name_stack)
+
+
+# --------------------------------------------------------------------------------------------
+# Tracing (cached per argument structure)
+
+_DYNAMIC_SCALARS = (bool, int, float, complex)
+
+
+def _is_dynamic(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, _DYNAMIC_SCALARS)) or \
+        isinstance(x, jax.core.Tracer)
+
+
+@dataclasses.dataclass
+class Traced:
+    """A function traced on one argument structure: its program, sites and output tree."""
+
+    program: _ip.Program
+    sites: list[Site]
+    out_tree: Any
+    dynamic_mask: tuple[bool, ...]
+
+    def flat_args(self, args, kwargs) -> list:
+        leaves = jax.tree.leaves((args, kwargs))
+        return [x for x, d in zip(leaves, self.dynamic_mask) if d]
+
+
+class Tracer:
+    """Traces `fn` once per argument structure and keeps the numbered program."""
+
+    def __init__(self, fn: Callable, *, primitives=None, regions: Sequence[type] = ()):
+        if not callable(fn):
+            raise PeatError(f"expected a callable to trace, got {type(fn).__name__}")
+        self.fn = fn
+        self.primitives = primitives
+        self.regions = tuple(regions)
+        self._is_site = _site_predicate(primitives)
+        self._cache: dict[Any, Traced] = {}
+        self._lock = threading.Lock()
+
+    def trace(self, args: tuple, kwargs: Mapping[str, Any]) -> Traced:
+        leaves, in_tree = jax.tree.flatten((args, kwargs))
+        mask = tuple(_is_dynamic(x) for x in leaves)
+        statics = tuple(x for x, d in zip(leaves, mask) if not d)
+        avals = tuple(jax.typeof(x) for x, d in zip(leaves, mask) if d)
+        try:
+            key = (in_tree, mask, avals, statics)
+            hash(key)
+        except TypeError:
+            key = None
+        with self._lock:
+            if key is not None and key in self._cache:
+                return self._cache[key]
+        dyn_pos = [i for i, d in enumerate(mask) if d]
+
+        def flat_fn(*dyn):
+            full = list(leaves)
+            for i, x in zip(dyn_pos, dyn):
+                full[i] = x
+            a, k = jax.tree.unflatten(in_tree, full)
+            return self.fn(*a, **k)
+
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
+        with _regions.flax_regions(*self.regions):
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*specs)
+        program = _ip.Program(closed, self._is_site)
+        sites = [_site_of(op) for op in program.ops()]
+        traced = Traced(program, sites, jax.tree.structure(out_shape), mask)
+        if key is not None:
+            with self._lock:
+                self._cache[key] = traced
+        return traced
+
+
+def list_sites(fn: Callable, *args, primitives=None, regions: Sequence[type] = (),
+               **kwargs) -> list[Site]:
+    """Every op site of `fn(*args, **kwargs)`, forward and backward, in index order.
+
+    `fn` is any JAX function (a Flax `apply`, a whole train step with `value_and_grad` and an
+    optax update, an Equinox model, plain jax); it is traced, not run. Containers (`jit`,
+    custom derivatives, `remat`, `scan`, `while`, `cond`) are descended into; kernel bodies
+    (`pallas_call`, `ffi_call`) are opaque sites.
+
+    Args:
+      primitives: which primitives count as sites: None for the compute ops of
+        `peat_jax._interpreter.SITE_PRIMITIVES` (contractions, reductions, transcendental ops,
+        kernels), an iterable of names, or "all" for every non-container equation. Site indices
+        depend on it: use the same value for `substitute`.
+      regions: Flax module classes (e.g. `nn.LayerNorm`, `nn.MultiHeadDotProductAttention`) whose
+        calls become composite sites (see `peat.flax_regions`). Regions marked with
+        `peat.region` are always sites.
+
+    Returns:
+      A list of `Site`, `site.index == position`.
+    """
+    return list(Tracer(fn, primitives=primitives, regions=regions).trace(args, kwargs).sites)
+
+
+# --------------------------------------------------------------------------------------------
+# Selectors
+
+def _path_matches(path: str, pattern: str) -> bool:
+    segs = path.split("/") if path else [""]
+    for i in range(len(segs)):
+        tail = "/".join(segs[i:])
+        if fnmatch.fnmatchcase(tail, pattern):
+            return True
+        if pattern.endswith("/*") and fnmatch.fnmatchcase(tail, pattern[:-2]):
+            return True
+        if pattern.endswith("/*") and fnmatch.fnmatchcase(tail, pattern[:-2] + "/*"):
+            return True
+    return False
+
+
+def _split_phase(pattern: str) -> tuple[Optional[str], str]:
+    for phase in ("fwd", "bwd"):
+        if pattern.startswith(phase + ":"):
+            return phase, pattern[len(phase) + 1:]
+    return None, pattern
+
+
+def _select_str(sites: Sequence[Site], selector: str) -> list[Site]:
+    phase, pattern = _split_phase(selector)
+    pool = [s for s in sites if phase is None or s.phase == phase]
+    if pattern in ("", "*"):
+        return pool
+    by_name = [s for s in pool if s.primitive == pattern]
+    if by_name:  # a primitive or region name wins over a path component of the same spelling
+        return by_name
+    return [s for s in pool if _path_matches(s.path, pattern)]
+
+
+def _select_one(sites: Sequence[Site], selector: Any) -> list[Site]:
+    if isinstance(selector, (bool, np.bool_)):
+        raise PeatError(f"a site selector cannot be a bool ({selector!r}); use an index, a name, "
+                        "a path pattern or a predicate")
+    if isinstance(selector, (int, np.integer)):
+        return [s for s in sites if s.index == int(selector)]
+    if isinstance(selector, str):
+        return _select_str(sites, selector)
+    if callable(selector):
+        return [s for s in sites if selector(s)]
+    raise PeatError(f"unsupported site selector {selector!r} of type {type(selector).__name__}: "
+                    "use an int index, a primitive or region name, a path pattern like "
+                    "'Dense_0/*' (optionally prefixed 'fwd:' or 'bwd:'), a predicate over "
+                    "peat.Site, or a list of these")
+
+
+def select(sites: Sequence[Site], selector: Selector) -> list[Site]:
+    """The sites that `selector` picks, in index order; a PeatError listing what exists if none.
+
+    A selector is an int (site index), a str (a primitive or region name such as `"dot_general"`,
+    or else a module path pattern such as `"Dense_0/*"` matched against the path and its
+    suffixes; prefix `"fwd:"` or `"bwd:"` to restrict the phase), a predicate `Site -> bool`, or
+    a list/tuple of selectors (their union).
+    """
+    if isinstance(selector, (list, tuple, set, frozenset)):
+        picked: dict[int, Site] = {}
+        for sub in selector:
+            for s in select(sites, sub):
+                picked[s.index] = s
+        return [picked[i] for i in sorted(picked)]
+    if isinstance(selector, (int, np.integer)) and not isinstance(selector, bool):
+        if not 0 <= int(selector) < len(sites):
+            raise PeatError(f"site index {int(selector)} is out of range: this program has "
+                            f"{len(sites)} sites (0..{len(sites) - 1}). {summarize(sites)}")
+    out = _select_one(sites, selector)
+    if not out:
+        raise PeatError(f"selector {_describe_selector(selector)} matches no site. "
+                        f"{summarize(sites)}")
+    return out
+
+
+def _describe_selector(selector) -> str:
+    if callable(selector) and not isinstance(selector, str):
+        return getattr(selector, "__name__", "predicate")
+    return repr(selector)
+
+
+def summarize(sites: Sequence[Site], max_paths: int = 12) -> str:
+    """One paragraph naming what sites exist: counts per primitive and phase, and some paths."""
+    if not sites:
+        return "The program has no sites."
+    counts = collections.Counter((s.primitive, s.phase) for s in sites)
+    kinds = ", ".join(f"{p} ({ph}) x{n}" for (p, ph), n in sorted(counts.items()))
+    paths = sorted({s.path for s in sites if s.path})
+    shown = ", ".join(paths[:max_paths]) + (" ..." if len(paths) > max_paths else "")
+    return f"Sites that exist: {kinds}. Paths: {shown or '<none>'}."
+
+
+def format_sites(sites: Sequence[Site]) -> str:
+    """A plain-text table of sites, one per line."""
+    return "\n".join(str(s) for s in sites)

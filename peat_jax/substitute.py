@@ -1,0 +1,277 @@
+"""Substitution: run a JAX function with a kernel or a fault in place of the op at chosen sites.
+
+Three ways to switch a candidate in, one mechanism:
+  * `substitute(fn, subs)`: always on;
+  * `switched(fn, subs)`: on at the one site whose index equals a traced integer, so a sweep over
+    all sites runs on one compiled executable;
+  * `peat.inject(train_step, subs, schedule)` (schedule.py): on at the steps a schedule picks,
+    decided on a traced step counter.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from peat_jax import _interpreter as _ip
+from peat_jax import regions as _regions
+from peat_jax.errors import PeatError
+from peat_jax.faults import Fault
+from peat_jax.kernels import Kernel
+from peat_jax.sites import Site, Tracer, Traced, select
+
+__all__ = ["substitute", "switched", "Substitution", "resolve"]
+
+Candidate = Union[Kernel, Fault]
+Substitution = Mapping[Any, Candidate]
+
+
+def _check_candidate(c, selector) -> None:
+    if not isinstance(c, (Kernel, Fault)):
+        hint = (" (wrap a plain function with peat.Kernel(name, impl) or "
+                "peat.kernels.dot_general(matmul))" if callable(c) else "")
+        raise PeatError(f"the substitution for selector {selector!r} must be a peat.Kernel or a "
+                        f"peat.faults fault, got {type(c).__name__}{hint}")
+
+
+def resolve(sites: Sequence[Site], substitution: Substitution) -> dict[int, Candidate]:
+    """Map each selected site index to its candidate; errors name the selector and the site."""
+    if not isinstance(substitution, Mapping):
+        raise PeatError("a substitution is a mapping {selector: peat.Kernel or fault}, got "
+                        f"{type(substitution).__name__}")
+    chosen: dict[int, tuple[Any, Candidate]] = {}
+    for selector, cand in substitution.items():
+        _check_candidate(cand, selector)
+        for site in select(sites, selector):
+            if site.index in chosen and chosen[site.index][1] is not cand:
+                raise PeatError(f"site #{site.index} ({site.primitive} @ {site.path}) is selected by "
+                                f"both {chosen[site.index][0]!r} and {selector!r} with different "
+                                "candidates; make the selectors disjoint")
+            reason = _site_reason(cand, site)
+            if reason:
+                raise PeatError(f"cannot use {_cand_name(cand)} at site #{site.index} "
+                                f"({site.primitive} @ {site.path or '<top>'}): {reason}")
+            chosen[site.index] = (selector, cand)
+    return {i: c for i, (_, c) in sorted(chosen.items())}
+
+
+def _cand_name(c: Candidate) -> str:
+    return f"kernel {c.name!r}" if isinstance(c, Kernel) else f"fault {c.name!r}"
+
+
+def _site_reason(cand: Candidate, site: Site) -> Optional[str]:
+    if isinstance(cand, Kernel):
+        return cand.check_site(site)
+    if cand.supports is not None:
+        return cand.supports(site)
+    if not any(_is_float(d) for d in site.out_dtypes):
+        return "the site has no floating-point output to fault"
+    return None
+
+
+def _is_float(dtype) -> bool:
+    try:
+        return jnp.issubdtype(dtype, jnp.inexact)
+    except TypeError:
+        return False
+
+
+def _fault_seed(f: Fault) -> int:
+    return int(f.params.get("seed", 0) or 0)
+
+
+def _is_differentiating(vals) -> bool:
+    from jax._src.interpreters import ad
+    types = tuple(t for t in (getattr(ad, "JVPTracer", None), getattr(ad, "LinearizeTracer", None))
+                  if t is not None)
+    return any(isinstance(v, types) for v in vals)
+
+
+def _run_candidate(cand: Candidate, site: Site, vals: Sequence[Any], reference, key) -> list:
+    """The site's outputs computed by `cand`, checked against the site's output types."""
+    if isinstance(cand, Fault):
+        outs = reference(*vals)
+        k = next(i for i, d in enumerate(site.out_dtypes) if _is_float(d))
+        outs[k] = cand.apply(lambda *ops: reference(*ops)[k], tuple(vals), key, site)
+    else:
+        try:
+            outs = _call_kernel(cand, site, vals)
+        except PeatError:
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised with the site named
+            if _is_differentiating(vals):
+                raise PeatError(
+                    f"kernel {cand.name!r} at site #{site.index} ({site.primitive} @ {site.path}) "
+                    f"cannot be differentiated ({type(e).__name__}: {str(e).splitlines()[0]}), but "
+                    "a gradient flows through this site: give its impl a jax.custom_vjp or pass "
+                    "vjp= to peat.Kernel") from e
+            raise
+    _check_outputs(cand, site, outs)
+    return outs
+
+
+def _call_kernel(k: Kernel, site: Site, vals) -> list:
+    if not site.composite:
+        params = {n: v for n, v in site.params.items()}
+        out = k(*vals, **params)
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+    info = _regions.region_info(site.params["region_id"])
+    n_in = info.in_tree.num_leaves
+    args = jax.tree.unflatten(info.in_tree, list(vals[:n_in]))
+    if not site.params["backward"]:
+        return jax.tree.leaves(k(*args))
+    cot = jax.tree.unflatten(info.out_tree, list(vals[n_in:]))
+    _, vjp = jax.vjp(lambda *a: k(*a), *args)
+    return jax.tree.leaves(vjp(cot))
+
+
+def _check_outputs(cand, site: Site, outs) -> None:
+    want = list(zip(site.out_shapes, site.out_dtypes))
+    got = [(tuple(np.shape(o)), jnp.result_type(o)) for o in outs]
+    if len(got) != len(want) or any(gs != ws or np.dtype(gd) != np.dtype(wd)
+                                    for (gs, gd), (ws, wd) in zip(got, want)):
+        fmt = lambda ts: ", ".join(f"{np.dtype(d).name}{list(s)}" for s, d in ts)  # noqa: E731
+        raise PeatError(f"{_cand_name(cand)} returned ({fmt(got)}) at site #{site.index} "
+                        f"({site.primitive} @ {site.path or '<top>'}), which needs ({fmt(want)}); "
+                        "the candidate must return the site's exact output shapes and dtypes")
+
+
+def _match_types(outs, like) -> list:
+    """Cast to the reference's exact types (weak types included) so `lax.cond` branches agree."""
+    return [lax.convert_element_type(o, jnp.result_type(r)) if jnp.result_type(o) != jnp.result_type(r)
+            else o for o, r in zip(outs, like)]
+
+
+# Active(site) -> None (always on) or a traced bool scalar.
+Active = Callable[[Site], Optional[jax.Array]]
+
+
+def make_rules(traced: Traced, chosen: Mapping[int, Candidate], active: Active,
+               key_for: Callable[[Site, Candidate], jax.Array]) -> dict:
+    """Interpreter rules that put `chosen[i]` at site i when `active(site)` holds."""
+    rules = {}
+    for idx, cand in chosen.items():
+        site = traced.sites[idx]
+
+        def rule(op, invals, reference, site=site, cand=cand):
+            key = key_for(site, cand) if isinstance(cand, Fault) else None
+            on = active(site)
+
+            def cand_branch(*vals):
+                return _run_candidate(cand, site, vals, reference, key)
+
+            if on is None:
+                return cand_branch(*invals)
+
+            def ref_branch(*vals):
+                return reference(*vals)
+
+            def cand_branch_typed(*vals):
+                outs = cand_branch(*vals)
+                like = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in op.eqn.outvars]
+                return [lax.convert_element_type(o, l.dtype) for o, l in zip(outs, like)]
+
+            def ref_branch_typed(*vals):
+                outs = ref_branch(*vals)
+                return [lax.convert_element_type(o, jnp.result_type(o)) for o in outs]
+
+            return lax.cond(on, cand_branch_typed, ref_branch_typed, *invals)
+
+        rules[idx] = rule
+    return rules
+
+
+def _static_key(site: Site, cand: Fault) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(_fault_seed(cand)), site.index)
+
+
+class _Substituted:
+    """`fn` with a substitution; traced per argument structure, then re-evaluated."""
+
+    def __init__(self, fn, substitution, *, primitives=None, regions=(), mode="static"):
+        if not isinstance(substitution, Mapping):
+            raise PeatError("a substitution is a mapping {selector: peat.Kernel or fault}, got "
+                            f"{type(substitution).__name__}")
+        for sel, cand in substitution.items():
+            _check_candidate(cand, sel)
+        self._tracer = Tracer(fn, primitives=primitives, regions=regions)
+        self._substitution = dict(substitution)
+        self._mode = mode
+        self._chosen: dict[int, dict] = {}
+        functools.update_wrapper(self, fn, updated=())
+
+    def prepare(self, args, kwargs) -> tuple[Traced, dict[int, Candidate]]:
+        traced = self._tracer.trace(args, kwargs)
+        chosen = self._chosen.get(id(traced))
+        if chosen is None:
+            chosen = resolve(traced.sites, self._substitution) if self._substitution else {}
+            self._chosen[id(traced)] = chosen
+        return traced, chosen
+
+    def sites(self, *args, **kwargs) -> list[Site]:
+        """The sites of the wrapped function on these arguments."""
+        return list(self._tracer.trace(args, kwargs).sites)
+
+    def selected(self, *args, **kwargs) -> list[Site]:
+        """The sites the substitution selects on these arguments, in index order."""
+        traced, chosen = self.prepare(args, kwargs)
+        return [traced.sites[i] for i in chosen]
+
+    def run(self, args, kwargs, active: Active, key_for) -> Any:
+        traced, chosen = self.prepare(args, kwargs)
+        rules = make_rules(traced, chosen, active, key_for)
+        flat = traced.flat_args(args, kwargs)
+        with _regions.flax_regions(*self._tracer.regions):
+            outs = _ip.evaluate(traced.program, rules, traced.program.closed_jaxpr.consts, flat)
+        return jax.tree.unflatten(traced.out_tree, outs)
+
+
+class _Static(_Substituted):
+    def __call__(self, *args, **kwargs):
+        return self.run(args, kwargs, lambda site: None, _static_key)
+
+
+class _Switched(_Substituted):
+    def __call__(self, site_index, *args, **kwargs):
+        site_index = jnp.asarray(site_index, jnp.int32)
+        if site_index.ndim != 0:
+            raise PeatError(f"the site index must be a scalar int, got shape {site_index.shape}")
+        return self.run(args, kwargs, lambda site: site_index == site.index, _static_key)
+
+
+def substitute(fn: Callable, substitution: Substitution, *, primitives=None,
+               regions: Sequence[type] = ()) -> Callable:
+    """`fn` with the op at each selected site computed by a candidate instead.
+
+    Args:
+      fn: any JAX function of arrays (pytrees); traced once per argument structure.
+      substitution: `{selector: candidate}`; a selector is a site index, a primitive or region
+        name, a path pattern (`"Dense_0/*"`, `"bwd:dot_general"`), a predicate over `peat.Site`,
+        or a list of these; a candidate is a `peat.Kernel` (computes the op from its operands) or
+        a `peat.faults` fault (transforms the reference output).
+      primitives, regions: as in `peat.list_sites` (site indices depend on them).
+
+    Returns:
+      A function with `fn`'s signature and outputs, usable under `jit`, `grad` and `vmap`. With an
+      empty substitution it computes bitwise what `fn` computes. Its `.sites(*args)` and
+      `.selected(*args)` list the sites. Errors (no matching site, a candidate that cannot serve a
+      site or returns the wrong shape/dtype) are `peat.PeatError`s raised while tracing.
+    """
+    return _Static(fn, substitution, primitives=primitives, regions=regions)
+
+
+def switched(fn: Callable, substitution: Substitution, *, primitives=None,
+             regions: Sequence[type] = ()) -> Callable:
+    """`fn'(site_index, *args, **kwargs)`: the candidate active only at the site whose index equals
+    `site_index` (a traced int32 scalar; -1 or any unselected index = nothing substituted).
+
+    Every selected site is compiled with a switch, so sweeping `site_index` over the sites reuses
+    one executable. Note that the switches alone can change XLA's fusion, and so rounding, by a
+    few ULPs: take the golden from the same function with `site_index=-1`.
+    """
+    return _Switched(fn, substitution, primitives=primitives, regions=regions)

@@ -1,0 +1,113 @@
+"""Small models shared by the core tests: the same 2-layer bias-free MLP in Flax linen, Flax nnx,
+Equinox and plain jax, and a 2-layer transformer with nn.scan + nn.remat."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+
+class LinenMLP(nn.Module):
+    hidden: int = 16
+    out: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(self.hidden, use_bias=False, name="fc1")(x)
+        x = jnp.tanh(x)
+        return nn.Dense(self.out, use_bias=False, name="head")(x)
+
+
+@pytest.fixture(scope="session")
+def mlp_data():
+    x = jax.random.normal(jax.random.key(1), (6, 8))
+    y = jax.random.normal(jax.random.key(2), (6, 4))
+    return x, y
+
+
+@pytest.fixture(scope="session")
+def linen_mlp(mlp_data):
+    """(loss_fn(params, x, y), params)."""
+    x, _ = mlp_data
+    model = LinenMLP()
+    params = model.init(jax.random.key(0), x)
+
+    def loss(params, x, y):
+        return jnp.mean((model.apply(params, x) - y) ** 2)
+
+    return loss, params
+
+
+def make_train_step(loss, tx):
+    def train_step(state, batch):
+        params, opt_state = state
+        value, grads = jax.value_and_grad(loss)(params, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), {"loss": value}
+
+    return train_step
+
+
+@pytest.fixture(scope="session")
+def linen_train(linen_mlp):
+    """(train_step(state, batch) -> (state, metrics), state) with adam."""
+    loss, params = linen_mlp
+    tx = optax.adam(1e-2)
+    return make_train_step(loss, tx), (params, tx.init(params))
+
+
+class Block(nn.Module):
+    d: int = 32
+    heads: int = 4
+
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.LayerNorm()(x)
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h, mask=mask)
+        h = nn.LayerNorm()(x)
+        x = x + nn.Dense(self.d)(nn.gelu(nn.Dense(4 * self.d)(h)))
+        return x, None
+
+
+class TinyGPT(nn.Module):
+    vocab: int = 17
+    d: int = 32
+    layers: int = 2
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.d)(tokens)
+        blocks = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True},
+                         length=self.layers)
+        x, _ = blocks(self.d, name="blocks")(x, None)
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+@pytest.fixture(scope="session")
+def gpt():
+    """(loss_fn(params, tokens), params, tokens) for a 2-layer scan+remat transformer."""
+    model = TinyGPT()
+    tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, 17)
+    params = model.init(jax.random.key(0), tokens[:, :-1])
+
+    def loss(params, tokens):
+        logits = model.apply(params, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return loss, params, tokens
+
+
+def bitwise_equal(a, b) -> bool:
+    """True when two pytrees have the same structure and bitwise-equal leaves."""
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    if ta != tb:
+        return False
+    return all(x.shape == y.shape and x.dtype == y.dtype and
+               bool(jnp.all(jax.lax.bitcast_convert_type(x, jnp.uint32) ==
+                            jax.lax.bitcast_convert_type(y, jnp.uint32)))
+               if x.dtype == jnp.float32 else bool(jnp.all(x == y))
+               for x, y in zip(la, lb))

@@ -1,0 +1,202 @@
+"""Site enumeration on known programs: counts, phases, paths, containers, regions, selectors."""
+from __future__ import annotations
+
+import collections
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax import lax
+from jax.experimental import pallas as pl
+
+import peat_jax as peat
+from conftest import TinyGPT
+
+
+def _dots(sites):
+    return [s for s in sites if s.primitive == "dot_general"]
+
+
+def _phases(sites):
+    return collections.Counter(s.phase for s in sites)
+
+
+def test_linen_mlp_value_and_grad_has_2_fwd_and_3_bwd_dots(linen_mlp, mlp_data):
+    loss, params = linen_mlp
+    sites = peat.list_sites(jax.value_and_grad(loss), params, *mlp_data)
+    dots = _dots(sites)
+    assert _phases(dots) == {"fwd": 2, "bwd": 3}
+    assert [(s.phase, s.path) for s in dots] == [
+        ("fwd", "LinenMLP/fc1"), ("fwd", "LinenMLP/head"),
+        ("bwd", "LinenMLP/head"), ("bwd", "LinenMLP/head"), ("bwd", "LinenMLP/fc1")]
+    assert [s.index for s in sites] == list(range(len(sites)))
+    fc1 = dots[0]
+    assert fc1.in_shapes == ((6, 8), (8, 16)) and fc1.out_shapes == ((6, 16),)
+    assert fc1.out_dtypes == (jnp.dtype("float32"),)
+    assert fc1.params["dimension_numbers"] == (((1,), (0,)), ((), ()))
+    # the weight gradient of fc1 contracts over the batch
+    assert dots[-1].out_shapes == ((16, 8),)
+    assert [s.primitive for s in sites if s.primitive != "dot_general"] == [
+        "tanh", "reduce_sum"]
+
+
+def test_same_mlp_in_plain_jax_nnx_and_equinox_has_same_dot_counts(mlp_data):
+    x, y = mlp_data
+    w1 = jax.random.normal(jax.random.key(0), (8, 16))
+    w2 = jax.random.normal(jax.random.key(1), (16, 4))
+
+    def plain(ws, x, y):
+        return jnp.mean((jnp.tanh(x @ ws[0]) @ ws[1] - y) ** 2)
+
+    class M(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(8, 16, use_bias=False, rngs=rngs)
+            self.l2 = nnx.Linear(16, 4, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(jnp.tanh(self.l1(x)))
+
+    graphdef, state = nnx.split(M(nnx.Rngs(0)))
+
+    def nnx_loss(state, x, y):
+        return jnp.mean((nnx.merge(graphdef, state)(x) - y) ** 2)
+
+    mlp = eqx.nn.MLP(8, 4, 16, 1, activation=jnp.tanh, use_bias=False, use_final_bias=False,
+                     key=jax.random.key(0))
+    params, static = eqx.partition(mlp, eqx.is_array)
+
+    def eqx_loss(params, x, y):
+        return jnp.mean((jax.vmap(eqx.combine(params, static))(x) - y) ** 2)
+
+    for fn, p in [(plain, (w1, w2)), (nnx_loss, state), (eqx_loss, params)]:
+        dots = _dots(peat.list_sites(jax.value_and_grad(fn), p, x, y))
+        assert _phases(dots) == {"fwd": 2, "bwd": 3}, fn
+
+
+def test_scan_remat_transformer_sites_inside_scan_and_remat(gpt):
+    loss, params, tokens = gpt
+    sites = peat.list_sites(jax.value_and_grad(loss), params, tokens)
+    dots = _dots(sites)
+    # per block: q, k, v, scores, weighted sum, out, 2 MLP = 8 fwd; head 1 fwd
+    assert sum(s.phase == "fwd" for s in dots) == 9
+    in_scan = [s for s in dots if "scan" in s.scope]
+    # fwd; remat recompute (all but the block's last GEMM, whose output the backward never needs);
+    # two GEMMs (input and weight gradient) per fwd GEMM
+    assert len(in_scan) == 8 + 7 + 16
+    assert all("remat2" in s.scope for s in in_scan if s.phase == "bwd")
+    assert {s.path for s in in_scan} >= {"TinyGPT/blocks/Dense_0",
+                                         "TinyGPT/blocks/MultiHeadDotProductAttention_0/query"}
+    assert len(sites) >= 30
+
+
+def test_containers_are_descended_and_kernels_are_opaque():
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.exp(x_ref[...]) * 2.0
+
+    def pallas_exp(x):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              interpret=True)(x)
+
+    @jax.jit
+    def inner(x):
+        return jnp.sin(x)
+
+    def f(x):
+        x = inner(x)
+        x = lax.cond(x.sum() > 0, jnp.cos, jnp.tanh, x)
+        x, _ = lax.scan(lambda c, _: (jnp.log1p(c * c), None), x, None, length=3)
+        x = lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, jnp.sqrt(c[1] + 1)), (0, x))[1]
+        x = jax.nn.relu(x) + jax.checkpoint(jnp.exp)(x)
+        return pallas_exp(x).sum()
+
+    sites = peat.list_sites(f, jnp.ones((4,)))
+    prims = [(s.primitive, s.scope) for s in sites]
+    assert ("sin", ("jit",)) in prims
+    assert ("cos", ("cond",)) in prims and ("tanh", ("cond",)) in prims
+    assert ("log1p", ("scan",)) in prims
+    assert ("sqrt", ("while",)) in prims
+    assert ("exp", ("remat2",)) in prims
+    pallas = [s for s in sites if s.primitive == "pallas_call"]
+    assert len(pallas) == 1 and pallas[0].out_shapes == ((4,),)
+    # the kernel body's exp is not a site: only the checkpointed exp is
+    assert sum(p == "exp" for p, _ in prims) == 1
+
+
+def test_region_sites_fwd_and_bwd():
+    softmax = peat.region("softmax")(jax.nn.softmax)
+
+    def loss(w, x):
+        return jnp.sum(softmax(x @ w) ** 2)
+
+    sites = peat.list_sites(jax.value_and_grad(loss), jnp.ones((8, 8)), jnp.ones((3, 8)))
+    regions = [s for s in sites if s.composite]
+    assert [(s.primitive, s.phase) for s in regions] == [("softmax", "fwd"), ("softmax", "bwd")]
+    assert regions[0].in_shapes == ((3, 8),) and regions[0].out_shapes == ((3, 8),)
+    assert regions[1].in_shapes == ((3, 8), (3, 8))  # input residual and cotangent
+    inner = [s for s in sites if s.path == "softmax"]
+    assert {"exp", "reduce_sum", "reduce_max"} <= {s.primitive for s in inner}
+    # a marked region computes what the function computes, forward and backward
+    w, x = jax.random.normal(jax.random.key(0), (8, 8)), jax.random.normal(jax.random.key(1), (3, 8))
+    ref = jax.grad(lambda w: jnp.sum(jax.nn.softmax(x @ w) ** 2))(w)
+    assert jnp.allclose(jax.grad(loss)(w, x), ref, rtol=1e-6, atol=1e-7)
+
+
+def test_flax_module_regions_in_scan_remat_transformer(gpt):
+    loss, params, tokens = gpt
+    sites = peat.list_sites(jax.value_and_grad(loss), params, tokens, regions=(nn.LayerNorm,))
+    ln = [s for s in sites if s.composite]
+    assert {s.primitive for s in ln} == {"LayerNorm"}
+    fwd = [s.path for s in ln if s.phase == "fwd"]
+    assert fwd == ["TinyGPT/blocks/LayerNorm_0", "TinyGPT/blocks/LayerNorm_1", "TinyGPT/LayerNorm_0"]
+    # LayerNorm inputs: scale, bias (variables) and x
+    assert ln[0].in_shapes == ((32,), (32,), (2, 8, 32))
+    assert sum(s.phase == "bwd" and len(s.out_shapes) == 3 for s in ln) == 3
+    without = peat.list_sites(jax.value_and_grad(loss), params, tokens)
+    assert not any(s.composite for s in without)
+
+
+def test_selectors(linen_mlp, mlp_data):
+    loss, params = linen_mlp
+    sites = peat.list_sites(jax.value_and_grad(loss), params, *mlp_data)
+    idx = lambda sel: [s.index for s in peat.select(sites, sel)]  # noqa: E731
+    dots = [s.index for s in _dots(sites)]
+    assert idx("dot_general") == dots
+    assert idx("bwd:dot_general") == dots[2:]
+    assert idx("fwd:dot_general") == dots[:2]
+    assert idx("head") == [dots[1], dots[2], dots[3]]
+    assert idx("LinenMLP/*") == [s.index for s in sites if s.path.startswith("LinenMLP")]
+    assert idx("fc1/*") == [dots[0], dots[4]]
+    assert idx(3) == [3]
+    assert idx([0, "tanh"]) == sorted({0, next(s.index for s in sites if s.primitive == "tanh")})
+    assert idx(lambda s: s.out_shapes == ((16, 8),)) == [dots[4]]
+
+
+@pytest.mark.parametrize("selector", ["conv_general_dilated", "NoSuchModule/*", 99,
+                                      lambda s: False])
+def test_selector_matching_nothing_lists_what_exists(linen_mlp, mlp_data, selector):
+    loss, params = linen_mlp
+    sites = peat.list_sites(jax.value_and_grad(loss), params, *mlp_data)
+    with pytest.raises(peat.PeatError) as e:
+        peat.select(sites, selector)
+    msg = str(e.value)
+    assert "dot_general" in msg and ("LinenMLP/fc1" in msg or "out of range" in msg)
+
+
+def test_primitives_option_changes_what_counts(linen_mlp, mlp_data):
+    loss, params = linen_mlp
+    only = peat.list_sites(jax.value_and_grad(loss), params, *mlp_data, primitives=["dot_general"])
+    assert [s.primitive for s in only] == ["dot_general"] * 5
+    everything = peat.list_sites(jax.value_and_grad(loss), params, *mlp_data, primitives="all")
+    assert {"mul", "sub", "transpose"} <= {s.primitive for s in everything}
+    assert len(everything) > len(peat.list_sites(jax.value_and_grad(loss), params, *mlp_data))
+
+
+def test_site_order_is_stable(gpt):
+    loss, params, tokens = gpt
+    a = peat.list_sites(jax.value_and_grad(loss), params, tokens)
+    b = peat.list_sites(jax.value_and_grad(loss), params, tokens)
+    assert a == b
+    assert "bwd" in str(a[-1]) and "#%d" % a[-1].index in str(a[-1])
