@@ -160,3 +160,21 @@ def train(train_step: Callable[[State, Batch], tuple[State, Metrics]], state: St
         state, metrics = step_fn(state, batch(i))
         losses.append(metrics["loss"])
     return state, [float(x) for x in jax.device_get(losses)]
+
+
+def make_workload(name: str, cfg: Mapping[str, Any], init_params: Callable[[jax.Array], Any],
+                  tx: optax.GradientTransformation, apply: ApplyFn, batch: Callable[[int], Batch],
+                  eval_batches: list[Batch]):
+    """The `Workload` every bundled model shares: jitted init, adam train step, held-out evaluate."""
+    from peat_jax.profiler.workload import Workload
+
+    @jax.jit
+    def _init(key: jax.Array) -> State:
+        params_key, rng = jax.random.split(key)
+        return new_state(init_params(params_key), tx, rng)
+
+    def init(key: Any) -> State:
+        return _init(as_typed_key(key))
+
+    return Workload(name=name, init=init, train_step=make_train_step(apply, tx), batch=batch,
+                    evaluate=make_evaluate(apply, eval_batches), config=cfg)

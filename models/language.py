@@ -319,22 +319,10 @@ def make(**config: Any) -> Workload:
     corpus = load_corpus(cfg["genre"], cfg["holdout_fraction"])
     model, tx, apply = build(cfg)
 
-    @jax.jit
-    def _init(key: jax.Array) -> _common.State:
-        params_key, rng = jax.random.split(key)
-        return _common.new_state(init_params(model, params_key), tx, rng)
-
-    def init(key: Any) -> _common.State:
-        return _init(_common.as_typed_key(key))
-
-    return Workload(
-        name="language",
-        init=init,
-        train_step=_common.make_train_step(apply, tx),
-        batch=make_batch_fn(corpus.train, cfg["batch_size"], cfg["seq_len"], cfg["seed"]),
-        evaluate=_common.make_evaluate(apply, eval_batches(corpus.test, cfg["eval_windows"], cfg["seq_len"])),
-        config=cfg,
-    )
+    return _common.make_workload(
+        "language", cfg, lambda key: init_params(model, key), tx, apply,
+        make_batch_fn(corpus.train, cfg["batch_size"], cfg["seq_len"], cfg["seed"]),
+        eval_batches(corpus.test, cfg["eval_windows"], cfg["seq_len"]))
 
 
 def bits_per_char(loss_nats: float) -> float:

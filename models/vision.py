@@ -146,19 +146,7 @@ def make(**config: Any) -> Workload:
     x_train, y_train, x_test, y_test = load_digits_split(cfg["seed"], cfg["holdout_fraction"])
     model, tx, apply = build(cfg)
 
-    @jax.jit
-    def _init(key: jax.Array) -> _common.State:
-        params_key, rng = jax.random.split(key)
-        return _common.new_state(init_params(model, params_key), tx, rng)
-
-    def init(key: Any) -> _common.State:
-        return _init(_common.as_typed_key(key))
-
-    return Workload(
-        name="vision",
-        init=init,
-        train_step=_common.make_train_step(apply, tx),
-        batch=make_batch_fn(x_train, y_train, cfg["batch_size"], cfg["seed"]),
-        evaluate=_common.make_evaluate(apply, [{"image": x_test, "label": y_test}]),
-        config=cfg,
-    )
+    return _common.make_workload(
+        "vision", cfg, lambda key: init_params(model, key), tx, apply,
+        make_batch_fn(x_train, y_train, cfg["batch_size"], cfg["seed"]),
+        [{"image": x_test, "label": y_test}])

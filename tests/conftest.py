@@ -111,3 +111,40 @@ def bitwise_equal(a, b) -> bool:
                             jax.lax.bitcast_convert_type(y, jnp.uint32)))
                if x.dtype == jnp.float32 else bool(jnp.all(x == y))
                for x, y in zip(la, lb))
+
+
+@pytest.fixture(scope="session")
+def mlp_variants(linen_mlp):
+    """The same bias-free tanh MLP loss in Flax linen, Flax nnx, Equinox and plain jax:
+    {name: (loss(params, x, y), params)}."""
+    import equinox as eqx
+    from flax import nnx
+
+    w1 = jax.random.normal(jax.random.key(0), (8, 16))
+    w2 = jax.random.normal(jax.random.key(1), (16, 4))
+
+    def plain(ws, x, y):
+        return jnp.mean((jnp.tanh(x @ ws[0]) @ ws[1] - y) ** 2)
+
+    class M(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(8, 16, use_bias=False, rngs=rngs)
+            self.l2 = nnx.Linear(16, 4, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(jnp.tanh(self.l1(x)))
+
+    graphdef, state = nnx.split(M(nnx.Rngs(0)))
+
+    def nnx_loss(state, x, y):
+        return jnp.mean((nnx.merge(graphdef, state)(x) - y) ** 2)
+
+    mlp = eqx.nn.MLP(8, 4, 16, 1, activation=jnp.tanh, use_bias=False, use_final_bias=False,
+                     key=jax.random.key(0))
+    params, static = eqx.partition(mlp, eqx.is_array)
+
+    def eqx_loss(params, x, y):
+        return jnp.mean((jax.vmap(eqx.combine(params, static))(x) - y) ** 2)
+
+    return {"linen": linen_mlp, "plain": (plain, (w1, w2)), "nnx": (nnx_loss, state),
+            "equinox": (eqx_loss, params)}

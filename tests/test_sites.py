@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import collections
 
-import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-from flax import nnx
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -43,37 +41,12 @@ def test_linen_mlp_value_and_grad_has_2_fwd_and_3_bwd_dots(linen_mlp, mlp_data):
         "tanh", "reduce_sum"]
 
 
-def test_same_mlp_in_plain_jax_nnx_and_equinox_has_same_dot_counts(mlp_data):
-    x, y = mlp_data
-    w1 = jax.random.normal(jax.random.key(0), (8, 16))
-    w2 = jax.random.normal(jax.random.key(1), (16, 4))
-
-    def plain(ws, x, y):
-        return jnp.mean((jnp.tanh(x @ ws[0]) @ ws[1] - y) ** 2)
-
-    class M(nnx.Module):
-        def __init__(self, rngs):
-            self.l1 = nnx.Linear(8, 16, use_bias=False, rngs=rngs)
-            self.l2 = nnx.Linear(16, 4, use_bias=False, rngs=rngs)
-
-        def __call__(self, x):
-            return self.l2(jnp.tanh(self.l1(x)))
-
-    graphdef, state = nnx.split(M(nnx.Rngs(0)))
-
-    def nnx_loss(state, x, y):
-        return jnp.mean((nnx.merge(graphdef, state)(x) - y) ** 2)
-
-    mlp = eqx.nn.MLP(8, 4, 16, 1, activation=jnp.tanh, use_bias=False, use_final_bias=False,
-                     key=jax.random.key(0))
-    params, static = eqx.partition(mlp, eqx.is_array)
-
-    def eqx_loss(params, x, y):
-        return jnp.mean((jax.vmap(eqx.combine(params, static))(x) - y) ** 2)
-
-    for fn, p in [(plain, (w1, w2)), (nnx_loss, state), (eqx_loss, params)]:
-        dots = _dots(peat.list_sites(jax.value_and_grad(fn), p, x, y))
-        assert _phases(dots) == {"fwd": 2, "bwd": 3}, fn
+@pytest.mark.parametrize("framework", ["linen", "plain", "nnx", "equinox"])
+def test_same_mlp_in_every_framework_has_2_fwd_and_3_bwd_dots(mlp_variants, mlp_data, framework):
+    loss, params = mlp_variants[framework]
+    dots = _dots(peat.list_sites(jax.value_and_grad(loss), params, *mlp_data))
+    assert _phases(dots) == {"fwd": 2, "bwd": 3}
+    assert [s.phase for s in dots] == ["fwd", "fwd", "bwd", "bwd", "bwd"]
 
 
 def test_scan_remat_transformer_sites_inside_scan_and_remat(gpt):

@@ -34,6 +34,22 @@ def test_empty_substitution_is_bitwise_identical_linen_train_step(linen_train, m
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("framework", ["linen", "plain", "nnx", "equinox"])
+def test_identity_and_backward_fault_in_every_framework(mlp_variants, mlp_data, framework):
+    loss, params = mlp_variants[framework]
+    vg = jax.value_and_grad(loss)
+    ref = jax.jit(vg)(params, *mlp_data)
+    assert bitwise_equal(ref, jax.jit(peat.substitute(vg, {}))(params, *mlp_data))
+    # the last backward GEMM is the first layer's weight gradient: only that leaf changes
+    last = [s for s in peat.list_sites(vg, params, *mlp_data) if s.primitive == "dot_general"][-1]
+    got = jax.jit(peat.substitute(vg, {last.index: peat.faults.scale(2.0)}))(params, *mlp_data)
+    changed = _leaves_changed(ref, got)
+    assert len(changed) == 1 and changed[0] != "[0]"
+    w_ref = [x for x in jax.tree.leaves(ref[1]) if x.size == 128]
+    w_got = [x for x in jax.tree.leaves(got[1]) if x.size == 128]
+    np.testing.assert_allclose(w_got[0], 2.0 * w_ref[0], rtol=1e-6)
+
+
 def test_empty_substitution_is_bitwise_identical_scan_remat_transformer(gpt):
     loss, params, tokens = gpt
     vg = jax.value_and_grad(loss)
