@@ -249,3 +249,30 @@ def test_switched_sweep_over_transformer_one_compile(gpt):
         fwd_changed += int(float(sw(i, params, tokens)[0]) != float(golden_loss))
     assert fwd_changed >= 8  # forward GEMMs change the loss
     assert sw._cache_size() == 1
+
+
+def test_flax_attention_region_outside_scan_can_be_replaced():
+    class Attn(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+            return nn.MultiHeadDotProductAttention(num_heads=2)(x, x, mask=mask)
+
+    model = Attn()
+    x = jax.random.normal(jax.random.key(0), (2, 5, 8))
+    params = model.init(jax.random.key(1), x)
+    vg = jax.value_and_grad(lambda p, x: jnp.sum(model.apply(p, x) ** 2))
+    regions = (nn.MultiHeadDotProductAttention,)
+    sites = [s for s in peat.list_sites(vg, params, x, regions=regions) if s.composite]
+    assert [(s.primitive, s.phase) for s in sites] == [
+        ("MultiHeadDotProductAttention", "fwd"), ("MultiHeadDotProductAttention", "bwd")]
+    with peat.flax_regions(*regions):
+        ref = jax.jit(vg)(params, x)
+    same = jax.jit(peat.substitute(vg, {}, regions=regions))(params, x)
+    assert bitwise_equal(ref, same)
+    # a fused-kernel stand-in: the module's own math, with the output doubled
+    def doubled(variables, x, x2, mask):
+        return 2.0 * Attn().apply({"params": {"MultiHeadDotProductAttention_0": variables["params"]}}, x)
+    v, g = jax.jit(peat.substitute(vg, {"fwd:MultiHeadDotProductAttention":
+                                        peat.Kernel("doubled", doubled)}, regions=regions))(params, x)
+    np.testing.assert_allclose(v, 4.0 * ref[0], rtol=1e-5)
