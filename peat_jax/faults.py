@@ -108,8 +108,12 @@ def _check_int(name: str, value, *, minimum: Optional[int] = None) -> int:
     return value
 
 
+def _is_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.floating, np.integer))
+
+
 def _check_fraction(fraction) -> float:
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float, np.floating, np.integer)):
+    if not _is_number(fraction):
         _fail(f"fraction must be a number in [0, 1], got {fraction!r}")
     fraction = float(fraction)
     if not 0.0 <= fraction <= 1.0:
@@ -203,7 +207,8 @@ def _flat_index(index, shape) -> tuple[Optional[int], Optional[str]]:
     size = math.prod(shape)
     if isinstance(index, tuple):
         if len(index) != len(shape):
-            return None, f"index {index} has {len(index)} dims, the output has {len(shape)} {tuple(shape)}"
+            return None, (f"index {index} has {len(index)} dims, the output has {len(shape)} "
+                          f"{tuple(shape)}")
         norm = []
         for i, n in zip(index, shape):
             if not -n <= i < n:
@@ -221,6 +226,11 @@ def _distinct(key, size: int, k: int):
     One sort of random bits (cheaper to compile than `jax.random.permutation`).
     """
     return jnp.argsort(jax.random.bits(key, (size,), jnp.uint32))[:k].astype(jnp.int32)
+
+
+def _static_flat(index, shape) -> Optional[int]:
+    """The flat index `index` names in `shape` (already checked), or None."""
+    return None if index is None else _flat_index(index, shape)[0]
 
 
 def _pick(key, size: int, count: int, index):
@@ -343,7 +353,15 @@ class _Problem(NamedTuple):
     fatal: bool  # True: apply raises; False: apply returns the reference unchanged
 
 
+def _dtype_or_none(d):
+    try:
+        return jnp.dtype(d)
+    except TypeError:
+        return None
+
+
 def _ctx_from_site(site) -> _Ctx:
+    """What the site's static description tells (unknown fields are None)."""
     if site is None:
         return _Ctx(None, None, None, None, None)
     outs = tuple(getattr(site, "out_shapes", ()) or ())
@@ -352,9 +370,9 @@ def _ctx_from_site(site) -> _Ctx:
     idts = getattr(site, "in_dtypes", None)
     return _Ctx(
         tuple(outs[0]) if outs else None,
-        jnp.dtype(odts[0]) if odts else None,
+        _dtype_or_none(odts[0]) if odts else None,
         tuple(tuple(s) for s in ins) if ins is not None else None,
-        tuple(jnp.dtype(d) for d in idts) if idts is not None else None,
+        tuple(_dtype_or_none(d) for d in idts) if idts is not None else None,
         site,
     )
 
@@ -375,7 +393,8 @@ def _index_problem(index, ctx: _Ctx) -> Optional[_Problem]:
     return _Problem(reason, True) if reason else None
 
 
-def _make(name: str, params: dict, core: Callable, check: Callable[[_Ctx], Optional[_Problem]]) -> Fault:
+def _make(name: str, params: dict, core: Callable,
+          check: Callable[[_Ctx], Optional[_Problem]]) -> Fault:
     """A `Fault` from ``core(out, reference, operands, key, site) -> array`` and a check.
 
     The check runs on static shape information, both in ``supports(site)`` and at trace time in
@@ -385,7 +404,7 @@ def _make(name: str, params: dict, core: Callable, check: Callable[[_Ctx], Optio
 
     def apply(reference, operands, key, site=None):
         operands = tuple(operands)
-        out = reference(*operands)
+        out = jnp.asarray(reference(*operands))
         ctx = _Ctx(tuple(out.shape), out.dtype,
                    tuple(tuple(jnp.shape(o)) for o in operands),
                    tuple(jnp.result_type(o) for o in operands), site)
@@ -460,7 +479,7 @@ def bit_flip(bit: Optional[int] = None, *, bit_class: Optional[str] = None, inde
     def core(out, reference, operands, key, site):
         lay = _layout(out.dtype)
         k_idx, k_bit = jax.random.split(key)
-        idx = _pick(k_idx, out.size, 1, _flat_index(index, out.shape)[0] if index is not None else None)[0]
+        idx = _pick(k_idx, out.size, 1, _static_flat(index, out.shape))[0]
         if bit is not None:
             mask = lay.uint(1 << bit)
         else:
@@ -508,7 +527,7 @@ def multi_bit_flip(bits: Optional[Sequence[int]] = None, *, n_bits: int = 2, ind
     def core(out, reference, operands, key, site):
         lay = _layout(out.dtype)
         k_idx, k_bit = jax.random.split(key)
-        idx = _pick(k_idx, out.size, 1, _flat_index(index, out.shape)[0] if index is not None else None)[0]
+        idx = _pick(k_idx, out.size, 1, _static_flat(index, out.shape))[0]
         if bits is not None:
             mask = lay.uint(sum(1 << b for b in bits))
         else:
@@ -525,7 +544,8 @@ def multi_bit_flip(bits: Optional[Sequence[int]] = None, *, n_bits: int = 2, ind
 
 def _count_problem(count: int, index, ctx: _Ctx) -> Optional[_Problem]:
     if ctx.out_shape is not None and count > math.prod(ctx.out_shape):
-        return _Problem(f"count={count} exceeds the {math.prod(ctx.out_shape)} output elements", True)
+        return _Problem(f"count={count} exceeds the {math.prod(ctx.out_shape)} output elements",
+                        True)
     return _index_problem(index, ctx)
 
 
@@ -555,8 +575,7 @@ def random_value(*, count: int = 1, index: Index = None, seed: int = 0,
     count, index = _check_count_index(count, index)
     seed = _check_int("seed", seed)
     if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
-                or not math.isfinite(scale) or scale <= 0:
+        if not _is_number(scale) or not math.isfinite(scale) or scale <= 0:
             _fail(f"scale must be a finite number > 0, got {scale!r}")
         scale = float(scale)
     params = dict(count=count, index=index, seed=seed, scale=scale)
@@ -566,7 +585,7 @@ def random_value(*, count: int = 1, index: Index = None, seed: int = 0,
 
     def core(out, reference, operands, key, site):
         k_idx, k_val = jax.random.split(key)
-        idx = _pick(k_idx, out.size, count, _flat_index(index, out.shape)[0] if index is not None else None)
+        idx = _pick(k_idx, out.size, count, _static_flat(index, out.shape))
         flat = out.reshape(-1)
         s = _auto_scale(out) if scale is None else jnp.minimum(
             jnp.asarray(scale, _compute_dtype(out.dtype)), jnp.finfo(out.dtype).max)
@@ -601,7 +620,7 @@ def nan_inf(value: str = "nan", *, count: int = 1, index: Index = None, seed: in
         return _nonfloat_problem(ctx) or _count_problem(count, index, ctx)
 
     def core(out, reference, operands, key, site):
-        idx = _pick(key, out.size, count, _flat_index(index, out.shape)[0] if index is not None else None)
+        idx = _pick(key, out.size, count, _static_flat(index, out.shape))
         return out.reshape(-1).at[idx].set(jnp.asarray(_NONFINITE[value], out.dtype))
 
     return _make("nan_inf", params, core, check)
@@ -686,14 +705,14 @@ def scale(factor: float, *, seed: int = 0) -> Fault:
     """Multiply the whole output by `factor` (taxonomy ``wrong_scale``).
 
     Args:
-      factor: a finite number; the product is computed in the output dtype (one rounding).
+      factor: a finite number. It is cast to the output dtype and the product is computed in
+        that dtype (exact for powers of two, barring overflow / underflow).
       seed: unused (no randomness), kept in params like every fault's.
 
     Returns:
       A `Fault` whose output is ``reference * factor`` in the output dtype.
     """
-    if isinstance(factor, bool) or not isinstance(factor, (int, float, np.floating, np.integer)) \
-            or not math.isfinite(factor):
+    if not _is_number(factor) or not math.isfinite(factor):
         _fail(f"factor must be a finite number, got {factor!r}")
     factor = float(factor)
     seed = _check_int("seed", seed)
@@ -767,7 +786,8 @@ def truncate(precision: str = "bf16", *, where: str = "inputs", seed: int = 0) -
         problem = _nonfloat_problem(ctx)
         if problem is not None:
             return problem
-        if where == "output" and ctx.out_dtype is not None and _precision_noop(ctx.out_dtype, precision):
+        if (where == "output" and ctx.out_dtype is not None
+                and _precision_noop(ctx.out_dtype, precision)):
             return _Problem(f"output dtype {jnp.dtype(ctx.out_dtype).name} is already as narrow as "
                             f"{precision}: no-op", False)
         if where == "inputs" and ctx.in_dtypes is not None:
@@ -775,8 +795,8 @@ def truncate(precision: str = "bf16", *, where: str = "inputs", seed: int = 0) -
             if not floats:
                 return _Problem("no floating operand to round: no-op", False)
             if all(_precision_noop(d, precision) for d in floats):
-                return _Problem(f"every floating operand is already as narrow as {precision}: no-op",
-                                False)
+                return _Problem(f"every floating operand is already as narrow as {precision}: "
+                                "no-op", False)
         return None
 
     def core(out, reference, operands, key, site):
@@ -852,8 +872,8 @@ def low_precision_accumulation(dtype: str = "bf16", *, chunk: int = 8, seed: int
                 return _Problem(f"expected {len(axes)} operand(s), got {len(ctx.in_shapes)}", True)
             for shape, ax in zip(ctx.in_shapes, axes):
                 if not -len(shape) <= ax < len(shape):
-                    return _Problem(f"reduction axis {ax} is out of range for operand shape {shape}",
-                                    True)
+                    return _Problem(f"reduction axis {ax} is out of range for operand shape "
+                                    f"{shape}", True)
         return None
 
     def core(out, reference, operands, key, site):
@@ -864,14 +884,19 @@ def low_precision_accumulation(dtype: str = "bf16", *, chunk: int = 8, seed: int
         cdt = _compute_dtype(out.dtype)
 
         def partial(start, size):
-            parts = tuple(lax.dynamic_slice_in_dim(o, start, size, ax) for o, ax in zip(sliced_ops, axes))
+            parts = tuple(lax.dynamic_slice_in_dim(o, start, size, ax)
+                          for o, ax in zip(sliced_ops, axes))
             return reference(*parts, *rest).astype(cdt)
 
         n_full, tail = divmod(length, chunk)
         if n_full == 0:
             return _round_to(partial(0, tail), dtype)
         acc = _round_to(partial(0, chunk), dtype)
-        acc = lax.fori_loop(1, n_full, lambda i, a: _round_to(a + partial(i * chunk, chunk), dtype), acc)
+
+        def step(i, acc):
+            return _round_to(acc + partial(i * chunk, chunk), dtype)
+
+        acc = lax.fori_loop(1, n_full, step, acc)
         if tail:
             acc = _round_to(acc + partial(n_full * chunk, tail), dtype)
         return acc
@@ -1036,13 +1061,15 @@ def operand_corruption(operand: int = 0, *, axis: int = 0, index: Optional[int] 
         if problem is not None or ctx.in_shapes is None:
             return problem
         if operand >= len(ctx.in_shapes):
-            return _Problem(f"operand {operand} does not exist ({len(ctx.in_shapes)} operands)", True)
+            return _Problem(f"operand {operand} does not exist ({len(ctx.in_shapes)} operands)",
+                            True)
         if ctx.in_dtypes is not None and not _is_float(ctx.in_dtypes[operand]):
             return _Problem(f"operand {operand} is not floating "
                             f"({jnp.dtype(ctx.in_dtypes[operand]).name})", True)
         shape = ctx.in_shapes[operand]
         if not -len(shape) <= axis < len(shape):
-            return _Problem(f"axis {axis} is out of range for operand {operand} of shape {shape}", True)
+            return _Problem(f"axis {axis} is out of range for operand {operand} of shape "
+                            f"{shape}", True)
         n = shape[axis]
         if n == 0:
             return _Problem(f"operand {operand} is empty along axis {axis}", True)

@@ -9,7 +9,6 @@ Three ways to switch a candidate in, one mechanism:
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -141,12 +140,6 @@ def _check_outputs(cand, site: Site, outs) -> None:
                         "the candidate must return the site's exact output shapes and dtypes")
 
 
-def _match_types(outs, like) -> list:
-    """Cast to the reference's exact types (weak types included) so `lax.cond` branches agree."""
-    return [lax.convert_element_type(o, jnp.result_type(r)) if jnp.result_type(o) != jnp.result_type(r)
-            else o for o, r in zip(outs, like)]
-
-
 # Active(site) -> None (always on) or a traced bool scalar.
 Active = Callable[[Site], Optional[jax.Array]]
 
@@ -168,19 +161,15 @@ def make_rules(traced: Traced, chosen: Mapping[int, Candidate], active: Active,
             if on is None:
                 return cand_branch(*invals)
 
-            def ref_branch(*vals):
-                return reference(*vals)
+            # both branches strongly typed, so that weak types cannot make lax.cond reject them
+            def cand_typed(*vals):
+                return [lax.convert_element_type(o, v.aval.dtype)
+                        for o, v in zip(cand_branch(*vals), op.eqn.outvars)]
 
-            def cand_branch_typed(*vals):
-                outs = cand_branch(*vals)
-                like = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in op.eqn.outvars]
-                return [lax.convert_element_type(o, l.dtype) for o, l in zip(outs, like)]
+            def ref_typed(*vals):
+                return [lax.convert_element_type(o, jnp.result_type(o)) for o in reference(*vals)]
 
-            def ref_branch_typed(*vals):
-                outs = ref_branch(*vals)
-                return [lax.convert_element_type(o, jnp.result_type(o)) for o in outs]
-
-            return lax.cond(on, cand_branch_typed, ref_branch_typed, *invals)
+            return lax.cond(on, cand_typed, ref_typed, *invals)
 
         rules[idx] = rule
     return rules

@@ -16,6 +16,9 @@ from peat_jax import faults as F
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 SHAPES = [(8,), (4, 6), (2, 3, 5), (33, 17)]
+# every dtype and every shape, without the full product (each new (dtype, shape) costs compiles)
+CASES = [(jnp.float32, (8,)), (jnp.bfloat16, (4, 6)), (jnp.float16, (2, 3, 5)),
+         (jnp.float32, (33, 17)), (jnp.bfloat16, (33, 17)), (jnp.float16, (33, 17))]
 # (sign, top exponent, lowest exponent, top mantissa, lowest mantissa) bit per dtype
 BITS = {
     jnp.float32: (31, 30, 23, 22, 0),
@@ -56,8 +59,7 @@ def bits(a) -> np.ndarray:
 
 
 def run(fault, x, seed=0, site=None, reference=ident):
-    """The fault applied to ``reference(x)``, jitted (one compile instead of one per eager op)."""
-    return jax.jit(lambda x, key: fault(reference, (x,), key, site))(x, jax.random.key(seed))
+    return fault(reference, (x,), jax.random.key(seed), site)
 
 
 def dot_site(lhs, rhs, dn):
@@ -160,18 +162,17 @@ def test_random_value_replaces_exactly_count_elements(dtype, shape):
     assert (small != ref).sum() == count and np.all(np.abs(small[small != ref]) <= 0.25)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_random_value_always_differs_even_where_draws_would_collide(dtype):
     x = jnp.zeros((64,), dtype)
-    for scale in (None, 1e-30):  # 1e-30 is below every dtype's resolution near zero but f32's
+    for scale in (None, 1e-30):  # float16 rounds every draw of +-1e-30 back to 0
         out = run(F.random_value(count=64, scale=scale), x)
         assert np.all(bits(out) != bits(x))
         if scale is None:
             assert np.all(np.asarray(out, np.float32) != 0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype,shape", CASES)
 @pytest.mark.parametrize("fraction", [0.25, 1.0])
 def test_zero_zeroes_exactly_round_fraction_n(dtype, shape, fraction):
     x = data(shape, dtype)
@@ -193,7 +194,8 @@ def test_zero_fraction_zero_is_a_noop_with_a_reason():
 def test_stuck_at_forces_the_bit_in_the_selected_elements(dtype):
     rng = np.random.default_rng(0)
     # dyadic values: the lowest mantissa bit is 0 everywhere
-    x = jnp.asarray(rng.choice([-3.0, -1.5, -0.75, 1.0, 2.0, 1.5], (33, 17)).astype(jnp.dtype(dtype)))
+    x = rng.choice([-3.0, -1.5, -0.75, 1.0, 2.0, 1.5], (33, 17))
+    x = jnp.asarray(x.astype(jnp.dtype(dtype)))
     n = x.size
     out = run(F.stuck_at(0, 1, fraction=0.5), x)
     diff = bits(out) ^ bits(x)
@@ -203,20 +205,20 @@ def test_stuck_at_forces_the_bit_in_the_selected_elements(dtype):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.abs(np.asarray(x, np.float32)))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype,shape", CASES)
 def test_scale_is_an_exact_ratio(dtype, shape):
     x = data(shape, dtype)
     for factor in (2.0, 0.5, -4.0):
         out = run(F.scale(factor), x)
         assert out.dtype == x.dtype
-        np.testing.assert_array_equal(np.asarray(out, np.float32) / np.asarray(x, np.float32), factor)
+        ratio = np.asarray(out, np.float32) / np.asarray(x, np.float32)
+        np.testing.assert_array_equal(ratio, factor)
     out = run(F.scale(3.0), x)
-    np.testing.assert_array_equal(bits(out), bits(np.asarray(x) * np.asarray(3.0, jnp.dtype(dtype))))
+    expect = np.asarray(x) * np.asarray(3.0, jnp.dtype(dtype))  # numpy product in the dtype
+    np.testing.assert_array_equal(bits(out), bits(expect))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype,shape", CASES)
 @pytest.mark.parametrize("fraction", [0.3, 1.0])
 def test_sign_flip_negates_exactly_that_many(dtype, shape, fraction):
     x = data(shape, dtype)
@@ -237,7 +239,8 @@ def test_sign_flip_is_exact_on_subnormals():
 def test_nan_inf_counts(dtype):
     x = data((33, 17), dtype)
     out = np.asarray(run(F.nan_inf("nan", count=3), x), np.float32)
-    assert np.isnan(out).sum() == 3 and np.all(out[~np.isnan(out)] == np.asarray(x, np.float32)[~np.isnan(out)])
+    keep = ~np.isnan(out)
+    assert keep.sum() == x.size - 3 and np.all(out[keep] == np.asarray(x, np.float32)[keep])
     out = np.asarray(run(F.nan_inf("inf", count=4), x), np.float32)
     assert (out == np.inf).sum() == 4 and np.isfinite(out).sum() == x.size - 4
     out = np.asarray(run(F.nan_inf("-inf", index=(2, 3)), x), np.float32)
@@ -258,10 +261,11 @@ def _awkward_f32():
 
 def test_truncate_bf16_output_rounds_every_element_like_bfloat16():
     x = _awkward_f32()
-    out = run(F.truncate("bf16", where="output"), x)
+    f = F.truncate("bf16", where="output")
     expect = np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32)
-    assert out.dtype == jnp.float32
-    np.testing.assert_array_equal(bits(out), bits(expect))
+    for out in (run(f, x), jax.jit(lambda v: run(f, v))(x)):
+        assert out.dtype == jnp.float32
+        np.testing.assert_array_equal(bits(out), bits(expect))
 
 
 def test_truncate_tf32_output_rounds_to_11_significant_bits_half_to_even():
@@ -275,8 +279,11 @@ def test_truncate_tf32_output_rounds_to_11_significant_bits_half_to_even():
 
 def test_truncate_fp16_output_rounds_through_float16():
     x = _awkward_f32()
-    out = run(F.truncate("fp16", where="output"), x)
-    np.testing.assert_array_equal(bits(out), bits(np.asarray(x).astype(np.float16).astype(np.float32)))
+    f = F.truncate("fp16", where="output")
+    with np.errstate(over="ignore"):
+        expect = np.asarray(x).astype(np.float16).astype(np.float32)
+    for out in (run(f, x), jax.jit(lambda v: run(f, v))(x)):
+        np.testing.assert_array_equal(bits(out), bits(expect))
 
 
 @pytest.mark.parametrize("precision,np_dtype", [("bf16", ml_dtypes.bfloat16), ("fp16", np.float16)])
@@ -418,7 +425,8 @@ def test_tile_boundary_edges_and_stale():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_permute_transpose_and_tile_swap(dtype):
     x = data((2, 5, 5), dtype)
-    np.testing.assert_array_equal(bits(run(F.permute(), x)), bits(np.swapaxes(np.asarray(x), -1, -2)))
+    expect = np.swapaxes(np.asarray(x), -1, -2)
+    np.testing.assert_array_equal(bits(run(F.permute(), x)), bits(expect))
     site = Site("exp", {}, ((4, 6),), (dtype,), ((4, 6),), (dtype,))
     assert "equal size" in F.permute().supports(site)
     with pytest.raises(ValueError, match="equal size"):
@@ -428,7 +436,8 @@ def test_permute_transpose_and_tile_swap(dtype):
     for seed in range(6):
         out = np.asarray(run(F.permute("tile_swap", block=2), y, seed=seed))
         yb = np.asarray(y)
-        moved = [k for k in range(4) if not np.array_equal(out[2 * k:2 * k + 2], yb[2 * k:2 * k + 2])]
+        moved = [k for k in range(4)
+                 if not np.array_equal(out[2 * k:2 * k + 2], yb[2 * k:2 * k + 2])]
         assert len(moved) == 2
         i, j = moved
         np.testing.assert_array_equal(out[2 * i:2 * i + 2], yb[2 * j:2 * j + 2])
@@ -478,7 +487,8 @@ def _examples():
         "scale": (F.scale(-2.0), *ew),
         "sign_flip": (F.sign_flip(0.5), *ew),
         "truncate": (F.truncate("bf16"), matmul, (a, b), mm_site),
-        "low_precision_accumulation": (F.low_precision_accumulation(chunk=8), matmul, (a, b), mm_site),
+        "low_precision_accumulation": (F.low_precision_accumulation(chunk=8), matmul, (a, b),
+                                       mm_site),
         "tile_boundary": (F.tile_boundary(4, where="edges"), *ew),
         "permute": (F.permute("tile_swap", block=2), *ew),
         "operand_corruption": (F.operand_corruption(1, axis=1), matmul, (a, b), mm_site),
@@ -512,7 +522,6 @@ def test_every_fault_under_jit_vmap_cond_and_scan(name):
     golden = ref(*ops)
     assert single.shape == golden.shape and single.dtype == golden.dtype
     assert not np.array_equal(bits(single), bits(golden))
-    np.testing.assert_array_equal(bits(single), bits(fault(ref, ops, key, site)))  # eager
     np.testing.assert_array_equal(bits(vm[0]), bits(single))
     np.testing.assert_array_equal(bits(scanned), bits(vm))
     np.testing.assert_array_equal(bits(cond), bits(single))
@@ -547,21 +556,25 @@ def test_every_fault_leaves_integer_outputs_unchanged(name):
 @pytest.mark.parametrize("make", [
     lambda s: F.bit_flip(seed=s), lambda s: F.random_value(seed=s), lambda s: F.zero(0.1, seed=s),
     lambda s: F.sign_flip(0.1, seed=s), lambda s: F.nan_inf(seed=s),
-    lambda s: F.tile_boundary(8, seed=s), lambda s: F.operand_corruption(seed=s),
+    lambda s: F.operand_corruption(seed=s), lambda s: F.tile_boundary(8, seed=s),
 ])
 def test_same_seed_same_pattern_different_seed_different_pattern(make):
     x = data((33, 17))
     outs = [bits(run(make(s), x, seed=s)) for s in range(4)]
     np.testing.assert_array_equal(outs[0], bits(run(make(0), x, seed=0)))
     masks = {(o != bits(x)).tobytes() for o in outs}
-    assert len(masks) > 1 or len({o.tobytes() for o in outs}) == 4
+    if make(0).name == "tile_boundary":  # fixed positions, seeded garbage
+        assert len(masks) == 1 and len({o.tobytes() for o in outs}) == 4
+    else:  # seeded positions
+        assert len(masks) >= 3
 
 
 def test_key_none_or_int_means_the_seed():
     x = data((33, 17))
     f = F.bit_flip(seed=7)
-    np.testing.assert_array_equal(bits(f(ident, (x,), None)), bits(f(ident, (x,), jax.random.key(7))))
-    np.testing.assert_array_equal(bits(f(ident, (x,), 7)), bits(f(ident, (x,), jax.random.key(7))))
+    expect = bits(f(ident, (x,), jax.random.key(7)))
+    np.testing.assert_array_equal(bits(f(ident, (x,), None)), expect)
+    np.testing.assert_array_equal(bits(f(ident, (x,), 7)), expect)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -605,7 +618,8 @@ def test_params_are_json_and_describe_prints_the_call():
     assert F.describe(F.bit_flip(bit=30, index=0)) == "bit_flip(bit=30, index=0)"
     assert F.describe(F.zero(0.25)) == "zero(fraction=0.25)"
     assert F.describe(F.scale(2.0)) == "scale(factor=2.0)"
-    assert F.describe(F.permute("tile_swap", block=4, seed=3)) == "permute(kind='tile_swap', block=4, seed=3)"
+    assert (F.describe(F.permute("tile_swap", block=4, seed=3))
+            == "permute(kind='tile_swap', block=4, seed=3)")
     assert F.describe(F.sign_flip()) == "sign_flip()"
     names = {EXAMPLES[k][0].name for k in EXAMPLES}
     assert names == {"bit_flip", "multi_bit_flip", "random_value", "zeroed", "stuck_at",

@@ -11,7 +11,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 import peat_jax as peat
-from conftest import TinyGPT
 
 
 def _dots(sites):
