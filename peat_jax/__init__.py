@@ -7,7 +7,7 @@ from peat_jax import faults, kernels
 from peat_jax.errors import PeatError
 from peat_jax.faults import Fault
 from peat_jax.kernels import Kernel
-from peat_jax.profiler.workload import Workload
+from peat_jax.profiler import GoldenRun, RuntimeResult, Workload, profile, runtime
 from peat_jax.regions import flax_regions, region
 from peat_jax.schedule import Schedule, at_steps, every, inject, with_probability
 from peat_jax.sites import Site, format_sites, list_sites, select
@@ -17,8 +17,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Fault",
+    "GoldenRun",
     "Kernel",
     "PeatError",
+    "RuntimeResult",
     "Schedule",
     "Site",
     "Workload",
@@ -30,7 +32,9 @@ __all__ = [
     "inject",
     "kernels",
     "list_sites",
+    "profile",
     "region",
+    "runtime",
     "select",
     "substitute",
     "switched",

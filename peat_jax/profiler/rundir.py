@@ -1,0 +1,191 @@
+"""The run directory on disk: manifest, Orbax checkpoints, golden metrics, campaigns.
+
+Layout:
+  manifest.json               workload, config, seeds, versions, backend, device kind
+  checkpoints/<step>/          Orbax checkpoints of the full train state before step <step>
+  golden/metrics.jsonl         one JSON object per training step: {"step": i, "loss": ..., ...}
+  golden/eval.json             held-out metrics of the final golden state
+  campaigns/<name>/...         playback and runtime results
+
+Only JSON, Orbax and pickle-free `.npz` are written; nothing is ever unpickled. JSON files are
+written atomically (temporary file + rename); JSONL files are appended line by line and a torn
+last line (from a kill mid-write) is dropped on reading.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import platform
+import tempfile
+from typing import Any, Iterable, Mapping, Optional, Union
+
+import jax
+
+from peat_jax.errors import PeatError
+
+__all__ = ["MANIFEST", "RunDir", "atomic_write_json", "append_jsonl", "read_jsonl", "environment"]
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+PathLike = Union[str, os.PathLike]
+
+
+def _json_default(x):
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return repr(x)
+
+
+def to_json(obj: Any) -> str:
+    """`obj` as compact JSON; NaN/Inf kept as JSON's `NaN`/`Infinity` (Python's json reads them)."""
+    return json.dumps(obj, default=_json_default, separators=(",", ":"), sort_keys=False)
+
+
+def atomic_write_json(path: PathLike, obj: Any) -> None:
+    """Write `obj` as JSON to `path` via a temporary file and a rename (never a half file)."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, default=_json_default)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def append_jsonl(path: PathLike, records: Iterable[Mapping[str, Any]]) -> None:
+    """Append one line per record and fsync, so a finished line survives a kill."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for r in records:
+            f.write(to_json(r) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: PathLike, *, strict: bool = False) -> list[dict]:
+    """The records of a JSONL file. A torn last line (no newline) is dropped; a garbage line in
+    the middle raises a PeatError naming the file and line when `strict`, else it is skipped."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        return []
+    out = []
+    with open(path) as f:
+        lines = f.read().split("\n")
+    last = len(lines) - 1  # the text after the final newline: empty, or a torn line
+    for i, line in enumerate(lines):
+        if i == last or not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            if strict:
+                raise PeatError(f"{path}: line {i + 1} is not a JSON object; the file is damaged: "
+                                "move it away to start that record afresh") from None
+            continue
+        out.append(rec)
+    return out
+
+
+def rewrite_jsonl(path: PathLike, records: Iterable[Mapping[str, Any]]) -> None:
+    """Replace a JSONL file atomically."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        for r in records:
+            f.write(to_json(r) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def environment() -> dict[str, Any]:
+    """Versions, backend and device kind, for the manifest."""
+    import importlib.metadata as md
+
+    def version(pkg: str) -> Optional[str]:
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return None
+
+    dev = jax.devices()[0]
+    return {
+        "versions": {p: version(p) for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint",
+                                             "numpy", "peat_jax")},
+        "python": platform.python_version(),
+        "backend": jax.default_backend(),
+        "device_kind": getattr(dev, "device_kind", str(dev)),
+        "device_count": jax.device_count(),
+    }
+
+
+class RunDir:
+    """Paths and safe reads/writes of one run directory."""
+
+    def __init__(self, path: PathLike, *, create: bool = False):
+        self.path = pathlib.Path(path)
+        if create:
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise PeatError(f"cannot create run directory {self.path}: {e.strerror}; "
+                                "choose a writable location") from None
+            if not os.access(self.path, os.W_OK):
+                raise PeatError(f"run directory {self.path} is not writable; choose another")
+        elif not self.path.is_dir():
+            raise PeatError(f"run directory {self.path} does not exist; make one with "
+                            "peat.profile(workload, run_dir, ...) (or `peat profile`)")
+
+    manifest_path = property(lambda self: self.path / MANIFEST)
+    checkpoints = property(lambda self: self.path / "checkpoints")
+    metrics_path = property(lambda self: self.path / "golden" / "metrics.jsonl")
+    eval_path = property(lambda self: self.path / "golden" / "eval.json")
+
+    def campaign(self, name: str) -> pathlib.Path:
+        if not name or "/" in name or name.startswith("."):
+            raise PeatError(f"campaign name {name!r} must be a plain file name")
+        return self.path / "campaigns" / name
+
+    def has_manifest(self) -> bool:
+        return self.manifest_path.exists()
+
+    def manifest(self) -> dict[str, Any]:
+        """The manifest, validated; a clear error if it is missing or damaged."""
+        p = self.manifest_path
+        if not p.exists():
+            raise PeatError(f"{p} is missing: {self.path} is not a peat run directory (or its "
+                            "golden run never started); run peat.profile into it first")
+        try:
+            m = json.loads(p.read_text())
+        except (ValueError, OSError) as e:
+            raise PeatError(f"{p} is damaged ({e}); restore it or profile into a new "
+                            "directory") from None
+        for key in ("workload", "config", "seed", "checkpoint_every"):
+            if not isinstance(m, dict) or key not in m:
+                raise PeatError(f"{p} lacks {key!r}: not a manifest written by peat_jax")
+        return m
+
+    def write_manifest(self, manifest: Mapping[str, Any]) -> None:
+        atomic_write_json(self.manifest_path, dict(manifest))
+
+    def golden_metrics(self) -> list[dict]:
+        """Golden per-step metrics in step order (one record per step)."""
+        recs = read_jsonl(self.metrics_path)
+        by_step = {int(r["step"]): r for r in recs if "step" in r}
+        return [by_step[s] for s in sorted(by_step)]
+
+    def golden_losses(self) -> list[float]:
+        return [float(r["loss"]) for r in self.golden_metrics()]
+
