@@ -139,3 +139,27 @@ def test_classify_outcome_rules(name, make):
     outcome, band, ev = classify_outcome(make(g), g, fired=[10])
     assert outcome == name, ev
     assert 0 < band < 0.2
+
+
+def test_compare_runs_names_first_diverging_step_and_metric(golden, vision, tmp_path):
+    from peat_jax.profiler.compare import compare_runs
+    _, run = golden
+    twin = tmp_path / "twin"
+    profile(vision, twin, steps=30, checkpoint_every=10)
+    same = compare_runs(run, twin)
+    assert same.first_step is None and same.first_difference_step is None
+    # another backend's run: emulate by perturbing the recorded metrics from step 12 on
+    lines = [json.loads(x) for x in (twin / "golden" / "metrics.jsonl").read_text().splitlines()]
+    for r in lines:
+        if r["step"] >= 12:
+            r["loss"] *= 1.01
+        if r["step"] >= 20:
+            r["accuracy"] = r["accuracy"] * 0.5
+    (twin / "golden" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    diff = compare_runs(run, twin)
+    assert diff.first_step == 12 and diff.metric == "loss" and diff.first_difference_step == 12
+    assert "diverge at step 12 on 'loss'" in diff.summary()
+    other = tmp_path / "other"
+    profile(vision, other, steps=10, checkpoint_every=10, seed=3)
+    with pytest.raises(peat.PeatError, match="seed differs"):
+        compare_runs(run, other)

@@ -5,7 +5,7 @@ import dataclasses
 import datetime
 import json
 import logging
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp

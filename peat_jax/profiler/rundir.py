@@ -60,10 +60,29 @@ def atomic_write_json(path: PathLike, obj: Any) -> None:
         raise
 
 
+def _drop_torn_tail(path: pathlib.Path) -> None:
+    """Cut a last line that has no newline (a write killed midway), so appends start clean."""
+    if not path.exists():
+        return
+    with open(path, "rb+") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        f.seek(0)
+        data = f.read()
+        f.truncate(data.rfind(b"\n") + 1)
+
+
 def append_jsonl(path: PathLike, records: Iterable[Mapping[str, Any]]) -> None:
-    """Append one line per record and fsync, so a finished line survives a kill."""
+    """Append one line per record and fsync, so a finished line survives a kill. A torn last
+    line left by an earlier kill is cut first."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _drop_torn_tail(path)
     with open(path, "a") as f:
         for r in records:
             f.write(to_json(r) + "\n")

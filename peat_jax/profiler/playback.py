@@ -1,0 +1,339 @@
+"""Playback: replay steps of a golden run from its checkpoints with a candidate at one site.
+
+For each chosen checkpoint c and site s (a *cell*), the train step of step c is replayed as a pure
+function from checkpoint c, with the candidate active only at s, and compared with the same step
+with nothing active (the same compiled executable, site index -1):
+  * local: the candidate's output at s against the reference op's output on the same operands
+    (for a site inside a `scan`, the iteration with the largest difference);
+  * effect: the step's loss and its updated params against the golden replay.
+The whole grid runs on one compiled executable per (workload, candidate). No activations are
+stored: the batch of step c is regenerated from c, and only the diagnoses are written, one JSON
+line per cell in `campaigns/<name>/results.jsonl`, appended as cells finish; running the same
+campaign again skips the cells already there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from peat_jax.errors import PeatError
+from peat_jax.faults import Fault
+from peat_jax.profiler.golden import _quiet, _to_device, available_checkpoints, load_workload, restore
+from peat_jax.profiler.rundir import PathLike, RunDir, append_jsonl, atomic_write_json, read_jsonl
+from peat_jax.profiler.workload import Workload
+from peat_jax.sites import Site, Tracer, select
+from peat_jax.substitute import Substitution, _run_candidate, _static_key, resolve
+from peat_jax import _interpreter as _ip
+
+__all__ = ["Cell", "PlaybackResult", "playback"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One (checkpoint, site) replay.
+
+    Attributes:
+      checkpoint: the step replayed (its checkpoint holds the state before it).
+      site: the site the candidate was active at.
+      candidate: the candidate's name.
+      local: Diagnosis of the site's output (candidate vs reference op on the same operands), or
+        None where it cannot be tapped (a site inside `while`/`cond`).
+      effect: Diagnosis of the step's loss and updated params against the golden replay.
+      loss: (golden, with candidate) loss of the replayed step.
+    """
+
+    checkpoint: int
+    site: Site
+    candidate: str
+    local: Any
+    effect: Any
+    loss: tuple[float, float]
+
+    def to_record(self) -> dict[str, Any]:
+        s = self.site
+        return {"checkpoint": self.checkpoint, "site": s.index, "primitive": s.primitive,
+                "path": s.path, "phase": s.phase, "composite": s.composite,
+                "candidate": self.candidate,
+                "local": None if self.local is None else _diag_dict(self.local),
+                "effect": _diag_dict(self.effect), "loss": list(self.loss)}
+
+
+def _diag_dict(d) -> dict:
+    return d.to_dict() if hasattr(d, "to_dict") else dataclasses.asdict(d)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlaybackResult:
+    """The grid of cells of one playback campaign.
+
+    Attributes:
+      cells: one per (checkpoint, site), in (checkpoint, site) order; records resumed from disk
+        are included as `dict`s (`Cell.to_record()` form).
+      campaign: the campaign directory, or None.
+      compiles: executables compiled for the grid (1 when nothing had to be recompiled).
+    """
+
+    cells: tuple[Any, ...]
+    campaign: Optional[str]
+    compiles: int
+
+    def records(self) -> list[dict]:
+        return [c.to_record() if isinstance(c, Cell) else c for c in self.cells]
+
+    def failing(self, which: str = "local") -> list[dict]:
+        """Records whose `which` diagnosis ("local" or "effect") did not pass."""
+        return [r for r in self.records() if r[which] is not None and not r[which]["passed"]]
+
+    def first_divergence(self, which: str = "local") -> Optional[dict]:
+        """Localisation: the earliest checkpoint at which the candidate fails, and at it the
+        first site (in program order) whose `which` diagnosis fails; None if all pass."""
+        bad = self.failing(which)
+        return min(bad, key=lambda r: (r["checkpoint"], r["site"])) if bad else None
+
+
+def _campaign_name(substitution: Substitution) -> str:
+    names = "+".join(sorted(getattr(c, "name", "?") for c in substitution.values()))
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", names)[:48].strip("_") or "campaign"
+    digest = hashlib.sha1(repr(sorted((repr(k), getattr(c, "name", "?"), repr(getattr(c, "params", "")))
+                                      for k, c in substitution.items())).encode()).hexdigest()[:8]
+    return f"{slug}-{digest}"
+
+
+def _pad(x: jax.Array, n: int) -> jax.Array:
+    flat = x.reshape(-1).astype(jnp.float32)
+    return jnp.pad(flat, (0, n - flat.size))
+
+
+class _Replay:
+    """One compiled executable: (site index, state, batch) -> (new state, metrics, local taps)."""
+
+    def __init__(self, train_step, traced, chosen: dict, sites: list[Site]):
+        self.traced, self.chosen = traced, chosen
+        outs = [s for s in sites]
+        self.width = max(int(np.prod(s.out_shapes[0])) for s in outs) if outs else 1
+        self.fn = jax.jit(self._run)
+        self._multi = None
+
+    def multi(self, devices: Sequence[Any]):
+        """The replay spread over `devices`: site indices [len(devices)] (one per device, each
+        device runs its own cell with a real switch), state and batch replicated; outputs gain a
+        leading device axis."""
+        if self._multi is None:
+            from jax.sharding import Mesh, PartitionSpec as P
+            mesh = Mesh(np.asarray(devices), ("cells",))
+
+            def per_device(site_index, state, batch):
+                out = self._run(site_index[0], state, batch)
+                return jax.tree.map(lambda x: x[None], out)
+
+            fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("cells"), P(), P()),
+                                       out_specs=P("cells"), check_vma=False))
+            spread = jax.sharding.NamedSharding(mesh, P("cells"))
+            same = jax.sharding.NamedSharding(mesh, P())
+
+            def run(ids, state, batch):
+                state, batch = jax.device_put((state, batch), same)
+                return fn(jax.device_put(ids, spread), state, batch)
+
+            run._cache_size = fn._cache_size
+            self._multi = run
+        return self._multi
+
+    def _run(self, site_index, state, batch):
+        traced, width = self.traced, self.width
+        rules = {}
+        for idx, cand in self.chosen.items():
+            site = traced.sites[idx]
+            k = next((i for i, d in enumerate(site.out_dtypes)
+                      if jnp.issubdtype(d, jnp.inexact)), 0)
+
+            def rule(op, invals, reference, site=site, cand=cand, k=k):
+                key = _static_key(site, cand) if isinstance(cand, Fault) else None
+
+                def on(*vals):
+                    ref = reference(*vals)
+                    got = _run_candidate(cand, site, vals, reference, key)
+                    got = [lax.convert_element_type(o, v.aval.dtype)
+                           for o, v in zip(got, op.eqn.outvars)]
+                    return got, (_pad(got[k], width), _pad(ref[k], width))
+
+                def off(*vals):
+                    ref = reference(*vals)
+                    ref = [lax.convert_element_type(o, jnp.result_type(o)) for o in ref]
+                    zero = jnp.zeros((width,), jnp.float32)
+                    return ref, (zero, zero)
+
+                outs, taps = lax.cond(site_index == site.index, on, off, *invals)
+                return _ip.WithSide(outs, taps, _worst_iteration)
+
+            rules[idx] = rule
+        flat = traced.flat_args((state, batch), {})
+        outs, sides = _ip.evaluate(traced.program, rules, traced.program.closed_jaxpr.consts, flat,
+                                   with_sides=True)
+        new_state, metrics = jax.tree.unflatten(traced.out_tree, outs)
+        zero = jnp.zeros((width,), jnp.float32)
+        cand_tap, ref_tap, found = zero, zero, jnp.zeros((), bool)
+        for idx, (c, r) in sides.items():
+            hit = site_index == idx
+            cand_tap = jnp.where(hit, c, cand_tap)
+            ref_tap = jnp.where(hit, r, ref_tap)
+            found = found | hit
+        return new_state, metrics, (cand_tap, ref_tap, found)
+
+
+def _worst_iteration(stacked):
+    c, r = stacked
+    err = jnp.max(jnp.where(jnp.isnan(c - r), jnp.inf, jnp.abs(c - r)), axis=1)
+    i = jnp.argmax(err)
+    return c[i], r[i]
+
+
+def _effect(analyze, detect, golden, got):
+    (gs, gm), (cs, cm) = golden, got
+    pick = lambda st, m: {"loss": m["loss"], "params": st["params"]} if isinstance(st, dict) \
+        and "params" in st else {"loss": m["loss"], "state": st}  # noqa: E731
+    return detect(analyze(pick(cs, cm), pick(gs, gm)))
+
+
+def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
+             checkpoints: Optional[Sequence[int]] = None, workload: Optional[Workload] = None,
+             name: Optional[str] = None, regions: Sequence[type] = (),
+             devices: Optional[Sequence[Any]] = None, host: Optional[tuple[int, int]] = None,
+             progress: Optional[Callable[[int, int], None]] = None) -> "PlaybackResult":
+    """Replay the golden run's checkpointed steps with the candidate at one site per cell.
+
+    Args:
+      run_dir: a directory made by `peat.profile`.
+      substitution: `{selector: peat.Kernel or fault}` as for `peat.substitute`; its sites are
+        the grid's sites.
+      sites: optionally narrow the grid to the sites this selector picks.
+      checkpoints: the checkpoint steps to replay (default all but the final state).
+      workload: the workload object, for a workload that is not bundled.
+      name: the campaign's name (default: from the candidates); results go to
+        `campaigns/<name>/results.jsonl` and a rerun resumes.
+      regions: as in `peat.substitute`.
+      devices: the devices to spread a checkpoint's cells over (default: all local devices). With
+        several, each device replays its own cell with a real switch (`jax.shard_map` over a
+        `cells` mesh axis), so k devices run k cells at a time on one more compiled executable.
+
+      host: `(index, count)`: this process replays only the cells whose ordinal in the grid is
+        `index` mod `count`, writing `results.host<index>.jsonl` (default: from
+        `jax.process_index()` / `jax.process_count()` after `jax.distributed.initialize()`, so
+        the same script started on every host splits the grid). Results of all hosts are read
+        back together.
+
+    Returns:
+      A `PlaybackResult` whose cells carry `local` and `effect` Diagnoses.
+    """
+    from peat_jax.analyzer import analyze
+    from peat_jax.detector import detect
+
+    rd = RunDir(run_dir)
+    manifest = rd.manifest()
+    wl = load_workload(manifest, workload)
+    have = available_checkpoints(rd)
+    final = manifest.get("steps")
+    if checkpoints is None:
+        checkpoints = [c for c in have if c != final] or have
+    checkpoints = sorted({int(c) for c in checkpoints})
+    missing = [c for c in checkpoints if c not in have]
+    if missing:
+        raise PeatError(f"checkpoints {missing} are not in {rd.checkpoints}; available: {have}")
+    with _quiet():
+        state0 = restore(rd.path, checkpoints[0], workload=wl)
+    batch0 = _to_device(wl.batch(checkpoints[0]))
+    tracer = Tracer(wl.train_step, regions=regions)
+    traced = tracer.trace((state0, batch0), {})
+    chosen = resolve(traced.sites, substitution)
+    if sites is not None:
+        keep = {s.index for s in select(traced.sites, sites)}
+        chosen = {i: c for i, c in chosen.items() if i in keep}
+        if not chosen:
+            raise PeatError("sites= and the substitution's selectors have no site in common")
+    grid_sites = [traced.sites[i] for i in chosen]
+    name = name or _campaign_name(substitution)
+    camp = rd.campaign(name)
+    spec = {"candidates": sorted({getattr(c, "name", "?") for c in chosen.values()}),
+            "sites": [s.index for s in grid_sites], "workload": wl.name}
+    spec_path = camp / "campaign.json"
+    if spec_path.exists():
+        import json
+        old = json.loads(spec_path.read_text())
+        if old.get("candidates") != spec["candidates"] or old.get("workload") != spec["workload"]:
+            raise PeatError(f"campaign {name!r} in {camp} was run with candidates "
+                            f"{old.get('candidates')} on {old.get('workload')!r}; choose another name")
+    else:
+        atomic_write_json(spec_path, spec)
+    h_index, h_count = host if host is not None else (jax.process_index(), jax.process_count())
+    if not (isinstance(h_count, int) and h_count >= 1 and isinstance(h_index, int)
+            and 0 <= h_index < h_count):
+        raise PeatError(f"host must be (index, count) with 0 <= index < count, got {host!r}")
+    results_path = camp / ("results.jsonl" if h_count == 1 else f"results.host{h_index}.jsonl")
+    done = {}
+    for f in sorted(camp.glob("results*.jsonl")):
+        for r in read_jsonl(f):
+            if "checkpoint" in r and "site" in r:
+                done[(int(r["checkpoint"]), int(r["site"]))] = r
+    ordinal = {(c, s.index): k for k, (c, s) in
+               enumerate((c, s) for c in checkpoints for s in grid_sites)}
+    mine = lambda c, s: ordinal[(c, s.index)] % h_count == h_index  # noqa: E731
+    replay = _Replay(wl.train_step, traced, chosen, grid_sites)
+    devices = list(jax.local_devices()) if devices is None else list(devices)
+    total = len(checkpoints) * len(grid_sites)
+    cells: list[Any] = []
+    count = 0
+    for c in checkpoints:
+        todo = [s for s in grid_sites if (c, s.index) not in done and mine(c, s)]
+        results: dict[int, Any] = {}
+        if todo:
+            with _quiet():
+                state = restore(rd.path, c, workload=wl) if c != checkpoints[0] else state0
+            batch = _to_device(wl.batch(c))
+            golden = replay.fn(-1, state, batch)
+            for start in range(0, len(todo), max(1, len(devices))):
+                group = todo[start:start + len(devices)]
+                if len(devices) > 1:
+                    ids = [s.index for s in group] + [-1] * (len(devices) - len(group))
+                    out = replay.multi(devices)(jnp.asarray(ids, jnp.int32), state, batch)
+                    home = jax.tree.leaves(golden)[0].sharding
+                    for j, s in enumerate(group):
+                        results[s.index] = jax.device_put(jax.tree.map(lambda x, j=j: x[j], out),
+                                                          home)
+                else:
+                    results[group[0].index] = replay.fn(group[0].index, state, batch)
+        for s in grid_sites:
+            count += 1
+            if (c, s.index) in done:
+                cells.append(done[(c, s.index)])
+                continue
+            if not mine(c, s):
+                continue
+            cell = _cell(analyze, detect, c, s, chosen[s.index], golden, results[s.index])
+            append_jsonl(results_path, [cell.to_record()])
+            cells.append(cell)
+            if progress is not None:
+                progress(count, total)
+    compiles = replay.fn._cache_size() + (replay._multi._cache_size() if replay._multi else 0)
+    return PlaybackResult(tuple(cells), str(camp), compiles)
+
+
+def _cell(analyze, detect, checkpoint: int, site: Site, cand, golden, got) -> Cell:
+    gs, gm, _ = golden
+    cs, cm, (ct, rt, found) = got
+    if bool(found):
+        n = int(np.prod(site.out_shapes[0]))
+        shape, dtype = site.out_shapes[0], site.out_dtypes[0]
+        local = detect(analyze(ct[:n].reshape(shape).astype(dtype),
+                               rt[:n].reshape(shape).astype(dtype)))
+    else:
+        local = None
+    effect = _effect(analyze, detect, (gs, gm), (cs, cm))
+    return Cell(checkpoint, site, getattr(cand, "name", "?"), local, effect,
+                (float(gm["loss"]), float(cm["loss"])))

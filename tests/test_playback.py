@@ -1,0 +1,114 @@
+"""Playback: replaying checkpointed steps with a candidate at one site per cell."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import peat_jax as peat
+from peat_jax import models
+from peat_jax.profiler.golden import profile
+from peat_jax.profiler.playback import playback
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    wl = models.get("vision", batch_size=16, width=8, hidden=32)
+    path = tmp_path_factory.mktemp("pb") / "run"
+    profile(wl, path, steps=60, checkpoint_every=20)
+    return path
+
+
+def _reference_dot(a, b, **params):
+    return jax.lax.dot_general(a, b, **params)
+
+
+def test_playback_of_the_reference_is_exact_everywhere(run):
+    res = playback(run, {"dot_general": peat.Kernel("xla_dot", _reference_dot)}, name="ref")
+    recs = res.records()
+    assert len(recs) == 3 * 6  # checkpoints 0, 20, 40 x 6 dot_general sites
+    assert {r["local"]["model"] for r in recs} == {"exact"}
+    assert {r["effect"]["model"] for r in recs} == {"exact"}
+    assert res.compiles == 1 and res.first_divergence() is None
+
+
+def test_fault_at_one_backward_site_is_found_there_only(run):
+    # a kernel that is wrong only for the shape of one backward GEMM (the head's weight grad)
+    def buggy(a, b, **params):
+        out = jax.lax.dot_general(a, b, **params)
+        return out * 1.5 if out.shape == (10, 32) else out
+
+    res = playback(run, {"dot_general": peat.Kernel("buggy_at_10x32", buggy)}, checkpoints=[20],
+                   name="bwd-bug")
+    failing = res.failing("local")
+    assert [(r["site"], r["phase"], r["path"]) for r in failing] == [(16, "bwd", "CNN/head")]
+    assert failing[0]["local"]["model"] == "wrong_scale"
+    # its effect reaches the updated params but not the step's loss
+    assert not failing[0]["effect"]["passed"] and failing[0]["loss"][0] == failing[0]["loss"][1]
+    assert res.first_divergence() == failing[0]
+
+
+def test_candidate_wrong_on_large_activations_fails_only_in_later_checkpoints(run):
+    def saturating(a, b, **params):  # correct until |out| > 3, then clipped
+        return jnp.clip(jax.lax.dot_general(a, b, **params), -3.0, 3.0)
+
+    res = playback(run, {"dot_general": peat.Kernel("saturating", saturating)}, name="sat")
+    bad_checkpoints = {r["checkpoint"] for r in res.failing("local")}
+    assert bad_checkpoints == {40}
+    assert res.first_divergence()["checkpoint"] == 40
+
+
+def test_rerun_of_an_interrupted_campaign_appends_only_missing_cells(run):
+    sub = {"fwd:dot_general": peat.faults.scale(2.0)}
+    first = playback(run, sub, checkpoints=[0], name="resume")
+    path = run / "campaigns" / "resume" / "results.jsonl"
+    assert len(path.read_text().splitlines()) == 2
+    # a kill mid-write leaves a torn last line: it is ignored and the cell redone
+    with open(path, "a") as f:
+        f.write('{"checkpoint": 20, "site": 5, "loc')
+    again = playback(run, sub, checkpoints=[0, 20], name="resume")
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+    keys = [(r["checkpoint"], r["site"]) for r in lines if "local" in r]
+    assert sorted(keys) == [(0, 5), (0, 6), (20, 5), (20, 6)] and len(set(keys)) == 4
+    assert [r["local"]["model"] for r in again.records()] == ["wrong_scale"] * 4
+    assert first.records()[0]["local"] == again.records()[0]["local"]
+
+
+def test_hosts_split_the_grid_and_read_each_others_results(run):
+    sub = {"fwd:dot_general": peat.faults.sign_flip()}
+    a = playback(run, sub, checkpoints=[0, 20], name="hosts", host=(0, 2))
+    assert [(r["checkpoint"], r["site"]) for r in a.records()] == [(0, 5), (20, 5)]
+    b = playback(run, sub, checkpoints=[0, 20], name="hosts", host=(1, 2))
+    assert [(r["checkpoint"], r["site"]) for r in b.records()] == [(0, 5), (0, 6), (20, 5), (20, 6)]
+    files = sorted(p.name for p in (run / "campaigns" / "hosts").glob("results*"))
+    assert files == ["results.host0.jsonl", "results.host1.jsonl"]
+    with pytest.raises(peat.PeatError, match="host must be"):
+        playback(run, sub, name="hosts", host=(2, 2))
+
+
+@pytest.mark.slow
+def test_cells_spread_over_four_devices_give_the_same_verdicts(run, tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent(f"""
+        import json, jax, peat_jax as peat
+        from peat_jax.profiler.playback import playback
+        assert len(jax.devices()) == 4
+        res = playback({str(run)!r}, {{"dot_general": peat.faults.scale(2.0)}}, checkpoints=[20],
+                       name="four")
+        print(json.dumps([[r["site"], r["local"]["model"], r["effect"]["model"]]
+                          for r in res.records()]), res.compiles)
+    """)
+    env = {**__import__("os").environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    four, compiles = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)
+    one = playback(run, {"dot_general": peat.faults.scale(2.0)}, checkpoints=[20], name="one",
+                   devices=jax.devices()[:1])
+    assert json.loads(four) == [[r["site"], r["local"]["model"], r["effect"]["model"]]
+                                for r in one.records()]
+    assert int(compiles) == 2  # the golden replay, and the 4-device replay
