@@ -71,6 +71,7 @@ class Op:
     name_stack: str              # joined with the enclosing equations' stacks
     containers: tuple[str, ...]  # primitives of the enclosing containers, outermost first
     region: Optional[tuple[str, bool, int]]  # (name, is_bwd, region id) for a region call
+    repeats: int = 1             # executions per call: product of enclosing scan lengths
 
 
 def region_of(eqn) -> Optional[tuple[str, bool, int]]:
@@ -165,9 +166,9 @@ class Program:
 
     def ops(self) -> Iterator[Op]:
         """Every site, in index order."""
-        yield from self._walk(self.closed_jaxpr.jaxpr, 0, "", ())
+        yield from self._walk(self.closed_jaxpr.jaxpr, 0, "", (), 1)
 
-    def _walk(self, jaxpr, base, stack, containers) -> Iterator[Op]:
+    def _walk(self, jaxpr, base, stack, containers, repeats) -> Iterator[Op]:
         jaxpr = _open(jaxpr)
         plan = self.plan(jaxpr)
         for i, eqn in enumerate(jaxpr.eqns):
@@ -175,13 +176,16 @@ class Program:
             eqn_stack = _join(stack, str(eqn.source_info.name_stack))
             reg = region_of(eqn)
             if plan.is_site[i]:
-                yield Op(idx, eqn, eqn_stack, containers, reg)
+                yield Op(idx, eqn, eqn_stack, containers, reg, repeats)
                 idx += 1
+            inner_repeats = repeats * int(eqn.params.get("length", 1)) \
+                if eqn.primitive.name == "scan" else repeats
             inner_stack = _join(eqn_stack, reg[0]) if reg else eqn_stack
             if reg and reg[1]:
                 inner_stack = _join(eqn_stack, f"transpose({reg[0]})")
             for _, sub in _sub_jaxprs(eqn):
-                yield from self._walk(sub, idx, inner_stack, containers + (eqn.primitive.name,))
+                yield from self._walk(sub, idx, inner_stack, containers + (eqn.primitive.name,),
+                                      inner_repeats)
                 idx += self.plan(sub).total
 
 
@@ -194,19 +198,41 @@ def _join(a: str, b: str) -> str:
 
 
 # A rule computes the outputs of a selected site: rule(op, invals, reference) -> list of outvals,
-# where reference(*invals) binds the original equation and returns its outputs as a list.
-Rule = Callable[[Op, Sequence[Any], Callable[..., list]], Sequence[Any]]
+# where reference(*invals) binds the original equation and returns its outputs as a list. A rule
+# may instead return `WithSide(outs, side, reduce)`: `side` (a small pytree of arrays) is returned
+# by `evaluate` under the site's index. Inside a `scan` the per-iteration sides come out stacked
+# along a leading axis and `reduce(stacked) -> side` folds them; inside `remat` and inlined calls
+# they pass through; inside `while` and `cond` they are dropped (not available).
+Rule = Callable[[Op, Sequence[Any], Callable[..., list]], Any]
 
 
-def evaluate(program: Program, rules: Mapping[int, Rule], consts, args) -> list:
+@dataclasses.dataclass(frozen=True)
+class WithSide:
+    outs: Sequence[Any]
+    side: Any
+    reduce: Callable[[Any], Any]
+
+
+@dataclasses.dataclass
+class _Ctx:
+    program: "Program"
+    rules: Mapping[int, Rule]
+    selected: list[int]
+    reducers: dict[int, Callable[[Any], Any]]
+
+
+def evaluate(program: Program, rules: Mapping[int, Rule], consts, args,
+             with_sides: bool = False):
     """Re-evaluate `program` on `args`, computing site `i` with `rules[i]` where given.
 
-    Must be called under a trace (jit / make_jaxpr / grad / vmap) or eagerly; returns the flat
-    outputs of the jaxpr.
+    Must be called under a trace (jit / make_jaxpr / grad / vmap) or eagerly. Returns the flat
+    outputs of the jaxpr, or `(outputs, sides)` with `with_sides` (sides: {site index: side}
+    for the rules that returned `WithSide` where it could be carried out).
     """
-    selected = sorted(rules)
-    return _eval(program, program.closed_jaxpr.jaxpr, consts, list(args), 0, "",
-                 (), rules, selected)
+    ctx = _Ctx(program, rules, sorted(rules), {})
+    sides: dict[int, Any] = {}
+    outs = _eval(ctx, program.closed_jaxpr.jaxpr, consts, list(args), 0, "", (), sides)
+    return (outs, sides) if with_sides else outs
 
 
 def _has_selected(selected: Sequence[int], lo: int, hi: int) -> bool:
@@ -225,9 +251,9 @@ def _bind(eqn, invals):
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _eval(program, jaxpr, consts, args, base, stack, containers, rules, selected) -> list:
+def _eval(ctx: _Ctx, jaxpr, consts, args, base, stack, containers, sides) -> list:
     jaxpr = _open(jaxpr)
-    plan = program.plan(jaxpr)
+    plan = ctx.program.plan(jaxpr)
     env: dict = {}
 
     def read(v):
@@ -243,16 +269,20 @@ def _eval(program, jaxpr, consts, args, base, stack, containers, rules, selected
         eqn_stack = _join(stack, str(eqn.source_info.name_stack))
         name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
         with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-            if not _has_selected(selected, idx, idx + plan.counts[i]):
+            if not _has_selected(ctx.selected, idx, idx + plan.counts[i]):
                 outs = _bind(eqn, invals)
-            elif plan.is_site[i] and idx in rules:
+            elif plan.is_site[i] and idx in ctx.rules:
                 op = Op(idx, eqn, eqn_stack, containers, region_of(eqn))
                 ref = functools.partial(_reference, eqn)
-                outs = list(rules[idx](op, invals, ref))
+                got = ctx.rules[idx](op, invals, ref)
+                if isinstance(got, WithSide):
+                    sides[idx] = got.side
+                    ctx.reducers[idx] = got.reduce
+                    got = got.outs
+                outs = list(got)
             else:
                 sub_base = idx + int(plan.is_site[i])
-                outs = _rebuild(program, eqn, invals, sub_base, eqn_stack, containers, rules,
-                                selected)
+                outs = _rebuild(ctx, eqn, invals, sub_base, eqn_stack, containers, sides)
         for v, x in zip(eqn.outvars, outs):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]
@@ -262,7 +292,7 @@ def _reference(eqn, *invals) -> list:
     return _bind(eqn, list(invals))
 
 
-def _rebuild(program, eqn, invals, base, stack, containers, rules, selected) -> list:
+def _rebuild(ctx: _Ctx, eqn, invals, base, stack, containers, sides) -> list:
     """Evaluate a container equation with substitutions inside it."""
     name = eqn.primitive.name
     p = eqn.params
@@ -270,46 +300,55 @@ def _rebuild(program, eqn, invals, base, stack, containers, rules, selected) -> 
     inner_stack = _join(stack, reg[0]) if reg else stack
     inner = containers + (name,)
 
-    def run(j, b, vals):
+    def run(j, b, vals, sub_sides):
         consts = j.consts if isinstance(j, _core.ClosedJaxpr) else []
-        return _eval(program, j, consts, list(vals), b, inner_stack, inner, rules, selected)
+        return _eval(ctx, j, consts, list(vals), b, inner_stack, inner, sub_sides)
 
     if name in _INLINE_CALLS:
         (_, j), = _sub_jaxprs(eqn)
         n_in = len(_open(j).invars)
-        return run(j, base, invals[len(invals) - n_in:])
+        return run(j, base, invals[len(invals) - n_in:], sides)
     if name in _REMAT:
         j = p["jaxpr"]
-        fn = jax.checkpoint(lambda *a: run(j, base, a), prevent_cse=p.get("prevent_cse", True),
-                            policy=p.get("policy"))
-        return list(fn(*invals))
+
+        def fn(*a):
+            inner_sides: dict = {}
+            return run(j, base, a, inner_sides), inner_sides
+
+        outs, inner_sides = jax.checkpoint(fn, prevent_cse=p.get("prevent_cse", True),
+                                           policy=p.get("policy"))(*invals)
+        sides.update(inner_sides)
+        return list(outs)
     if name == "scan":
         j = p["jaxpr"]
         nc, nk = p["num_consts"], p["num_carry"]
         consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
 
         def body(carry, x):
-            outs = run(j, base, list(consts) + list(carry) + list(x))
-            return outs[:nk], outs[nk:]
+            inner_sides: dict = {}
+            outs = run(j, base, list(consts) + list(carry) + list(x), inner_sides)
+            return outs[:nk], (outs[nk:], inner_sides)
 
-        carry, ys = lax.scan(body, list(init), list(xs), length=p["length"],
-                             reverse=p["reverse"], unroll=p["unroll"])
+        carry, (ys, stacked) = lax.scan(body, list(init), list(xs), length=p["length"],
+                                        reverse=p["reverse"], unroll=p["unroll"])
+        for k, v in stacked.items():
+            sides[k] = ctx.reducers[k](v)
         return list(carry) + list(ys)
     if name == "while":
         cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
         cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
-        body_base = base + program.plan(cj).total
-        out = lax.while_loop(lambda c: run(cj, base, list(cconsts) + list(c))[0],
-                             lambda c: run(bj, body_base, list(bconsts) + list(c)),
+        body_base = base + ctx.program.plan(cj).total
+        out = lax.while_loop(lambda c: run(cj, base, list(cconsts) + list(c), {})[0],
+                             lambda c: run(bj, body_base, list(bconsts) + list(c), {}),
                              list(init))
         return list(out)
     if name == "cond":
         index, ops = invals[0], invals[1:]
         fns, b = [], base
         for br in p["branches"]:
-            fns.append(functools.partial(lambda j, bb, *a: run(j, bb, a), br, b))
-            b += program.plan(br).total
+            fns.append(functools.partial(lambda j, bb, *a: run(j, bb, a, {}), br, b))
+            b += ctx.program.plan(br).total
         return list(lax.switch(index, fns, *ops))
     raise NotImplementedError(
         f"peat_jax cannot substitute inside a `{name}` equation yet (site index {base}); "

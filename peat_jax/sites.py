@@ -34,6 +34,8 @@ class Site:
       composite: True for a region (a fused kernel replaces the whole region).
       scope: primitives of the enclosing containers, outermost first (e.g. `("scan", "remat2")`).
       name_stack: the raw joined name stack (`transpose(jvp(MLP))/head`).
+      repeats: how many times the op runs per call: the product of the enclosing `scan` lengths
+        (a `while` body counts once: its trip count is not static).
     """
 
     index: int
@@ -48,6 +50,7 @@ class Site:
     composite: bool = False
     scope: tuple[str, ...] = ()
     name_stack: str = dataclasses.field(default="", compare=False, repr=False)
+    repeats: int = 1
 
     def __str__(self) -> str:
         ins = ", ".join(_fmt_type(s, d) for s, d in zip(self.in_shapes, self.in_dtypes))
@@ -107,10 +110,10 @@ def _site_of(op: _ip.Op) -> Site:
         return Site(op.index, name, path, "bwd" if (is_bwd or "transpose(" in op.name_stack) else "fwd",
                     in_shapes, in_dtypes, out_shapes, out_dtypes,
                     {"region": name, "region_id": rid, "backward": is_bwd}, True, op.containers,
-                    op.name_stack)
+                    op.name_stack, op.repeats)
     phase = "bwd" if "transpose(" in op.name_stack else "fwd"
     return Site(op.index, eqn.primitive.name, path, phase, in_shapes, in_dtypes, out_shapes,
-                out_dtypes, dict(eqn.params), False, op.containers, op.name_stack)
+                out_dtypes, dict(eqn.params), False, op.containers, op.name_stack, op.repeats)
 
 
 # --------------------------------------------------------------------------------------------

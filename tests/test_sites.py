@@ -59,6 +59,8 @@ def test_scan_remat_transformer_sites_inside_scan_and_remat(gpt):
     # two GEMMs (input and weight gradient) per fwd GEMM
     assert len(in_scan) == 8 + 7 + 16
     assert all("remat2" in s.scope for s in in_scan if s.phase == "bwd")
+    assert {s.repeats for s in in_scan} == {2}  # one site, run once per layer
+    assert {s.repeats for s in dots if "scan" not in s.scope} == {1}
     assert {s.path for s in in_scan} >= {"TinyGPT/blocks/Dense_0",
                                          "TinyGPT/blocks/MultiHeadDotProductAttention_0/query"}
     assert len(sites) >= 30

@@ -1,0 +1,78 @@
+"""Profiler costs, measured side by side on the bundled language workload (34 GEMM sites).
+
+playback_speedup: time of a playback campaign over one checkpoint x every dot_general site
+  (one compiled executable for the grid, analysis included), over the time of the same cells
+  each replayed by a freshly compiled `jit(substitute(train_step, {site: candidate}))` with the
+  same analysis. Goal >= 10 at >= 30 cells.
+storage_ratio: bytes the campaign stored (its directory) over the bytes a dump of every site's
+  operands and outputs at every replayed step would take (per-iteration tensors of sites inside
+  `scan` counted once per iteration). Goal <= 0.01.
+
+Prints one JSON object on one line; runs with no arguments in a few minutes on 2 CPU cores.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import peat_jax as peat
+from peat_jax import models
+from peat_jax.analyzer import analyze
+from peat_jax.detector import detect
+from peat_jax.profiler.golden import profile, restore
+from peat_jax.profiler.playback import playback
+
+
+def _bytes(shapes, dtypes) -> int:
+    return sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in zip(shapes, dtypes))
+
+
+def main() -> None:
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    wl = models.get("language")
+    with tempfile.TemporaryDirectory() as tmp:
+        run = pathlib.Path(tmp) / "run"
+        profile(wl, run, steps=20, checkpoint_every=10)
+        kernel = peat.kernels.blocked_matmul(block_k=16)
+        t0 = time.perf_counter()
+        res = playback(run, {"dot_general": kernel}, checkpoints=[10], name="bench",
+                       devices=jax.devices()[:1])
+        t_one = time.perf_counter() - t0
+        cells = res.records()
+        state = restore(run, 10)
+        batch = jax.tree.map(jnp.asarray, wl.batch(10))
+        sites = peat.list_sites(wl.train_step, state, batch)
+        t0 = time.perf_counter()
+        golden = jax.jit(wl.train_step)(state, batch)
+        for rec in cells:
+            got = jax.jit(peat.substitute(wl.train_step, {rec["site"]: kernel}))(state, batch)
+            detect(analyze({"loss": got[1]["loss"], "params": got[0]["params"]},
+                           {"loss": golden[1]["loss"], "params": golden[0]["params"]}))
+        t_re = time.perf_counter() - t0
+        stored = sum(p.stat().st_size for p in (run / "campaigns" / "bench").rglob("*") if p.is_file())
+        dump = sum((_bytes(s.in_shapes, s.in_dtypes) + _bytes(s.out_shapes, s.out_dtypes)) * s.repeats
+                   for s in sites) * 1  # one replayed step
+    print(json.dumps({
+        "playback_speedup": round(t_re / t_one, 2),
+        "cells": len(cells),
+        "playback_one_compile_s": round(t_one, 2),
+        "playback_recompile_s": round(t_re, 2),
+        "storage_ratio": round(stored / dump, 6),
+        "stored_bytes": stored,
+        "dump_bytes": dump,
+        "workload": wl.name,
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+    }))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
