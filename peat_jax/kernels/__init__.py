@@ -158,3 +158,33 @@ def xla_matmul() -> Kernel:
     """The reference itself as a kernel (`jnp.matmul` per batch): exact against XLA's dot."""
     return dot_general(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32),
                        name="xla_matmul", batched=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Bundled candidates (imported last: they build on Kernel and dot_general above)
+
+from peat_jax.kernels import ffi, foreign, pallas  # noqa: E402
+from peat_jax.kernels.ffi import build_ffi_library, ffi_kernel, ffi_matmul  # noqa: E402
+from peat_jax.kernels.foreign import numpy_kernel, torch_kernel  # noqa: E402
+from peat_jax.kernels.pallas import (InterpretChecks, flax_layer_norm, jax_pallas_layer_norm,  # noqa: E402
+                                     jax_pallas_mha, pallas_attention, pallas_layer_norm,
+                                     pallas_matmul, pallas_softmax)
+
+__all__ += [
+    "InterpretChecks",
+    "build_ffi_library",
+    "ffi",
+    "ffi_kernel",
+    "ffi_matmul",
+    "flax_layer_norm",
+    "foreign",
+    "jax_pallas_layer_norm",
+    "jax_pallas_mha",
+    "numpy_kernel",
+    "pallas",
+    "pallas_attention",
+    "pallas_layer_norm",
+    "pallas_matmul",
+    "pallas_softmax",
+    "torch_kernel",
+]

@@ -1,0 +1,314 @@
+"""Flash attention in Pallas, forward and backward, for an `attention(q, k, v)` region.
+
+Layout as Flax's `nn.dot_product_attention`: q `[batch, q_len, heads, dim]`, k and v
+`[batch, kv_len, heads, dim]`, output like q; `softmax(q k^T * sm_scale) v` with
+`sm_scale = 1/sqrt(dim)` by default, optionally causal (query i sees keys j <= i).
+
+Forward: a grid over (batch, heads, query blocks); each program streams key/value blocks with an
+online softmax in float32 and writes the output and the row log-sum-exp. Backward: two Pallas
+kernels, one for dq (grid over query blocks, streaming keys) and one for dk/dv (grid over key
+blocks, streaming queries); `delta = rowsum(dO * O)` is one jnp reduction in between. Sequence
+lengths are padded to the blocks and masked; the head dim is zero-padded to a power of two.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from peat_jax.kernels import Kernel
+from peat_jax.kernels._support import check_block, fit_block, float_reason, next_pow2, region_args
+from peat_jax.kernels.pallas import interpret as _interp
+from peat_jax.kernels.pallas.interpret import Checks
+
+__all__ = ["pallas_attention", "attention", "attention_supports"]
+
+_MASKED = -0.7 * float(np.finfo(np.float32).max)
+MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    causal: bool
+    sm_scale: Optional[float]
+    block_q: int
+    block_k: int
+    interpret: Optional[bool]
+    checks: Optional[_interp.InterpretChecks]
+
+
+def _dot(a, b, trans_a: bool = False, trans_b: bool = False):
+    """2-D `a @ b` (optionally transposed operands) accumulated in float32."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _mask(qi, kj, kv_len: int, causal: bool):
+    m = kj[None, :] < kv_len
+    if causal:
+        m = m & (qi[:, None] >= kj[None, :])
+    return m
+
+
+def _kv_blocks(q_block: int, bq: int, bk: int, nk: int, causal: bool):
+    """Number of key blocks a query block has to visit (fewer when causal)."""
+    if not causal:
+        return nk
+    return jnp.minimum(nk, ((q_block + 1) * bq + bk - 1) // bk)
+
+
+def _fwd_body(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, kv_len, bq, bk, nk):
+    i = pl.program_id(2)
+    q = q_ref[...]
+    qi = i * bq + lax.broadcasted_iota(jnp.int32, (bq,), 0)
+
+    def step(j, carry):
+        m, l, acc = carry
+        start = pl.multiple_of(j * bk, bk)
+        k = k_ref[pl.ds(start, bk), :]
+        v = v_ref[pl.ds(start, bk), :]
+        s = _dot(q, k, trans_b=True) * scale
+        kj = start + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+        s = jnp.where(_mask(qi, kj, kv_len, causal), s, _MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+        return m_new, l, acc
+
+    init = (jnp.full((bq,), _MASKED, jnp.float32), jnp.zeros((bq,), jnp.float32),
+            jnp.zeros(o_ref.shape, jnp.float32))
+    m, l, acc = lax.fori_loop(0, _kv_blocks(i, bq, bk, nk, causal), step, init)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l)
+
+
+def _dq_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, kv_len,
+             bq, bk, nk):
+    i = pl.program_id(2)
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    qi = i * bq + lax.broadcasted_iota(jnp.int32, (bq,), 0)
+
+    def step(j, dq):
+        start = pl.multiple_of(j * bk, bk)
+        k = k_ref[pl.ds(start, bk), :]
+        v = v_ref[pl.ds(start, bk), :]
+        kj = start + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+        s = _dot(q, k, trans_b=True) * scale
+        p = jnp.where(_mask(qi, kj, kv_len, causal), jnp.exp(s - lse[:, None]), 0.0)
+        dp = _dot(do, v, trans_b=True)
+        ds = p * (dp - delta[:, None])
+        return dq + _dot(ds.astype(k.dtype), k)
+
+    dq = lax.fori_loop(0, _kv_blocks(i, bq, bk, nk, causal), step,
+                       jnp.zeros(dq_ref.shape, jnp.float32))
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal,
+              kv_len, bq, bk, nq):
+    j = pl.program_id(2)
+    k, v = k_ref[...], v_ref[...]
+    kj = j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+
+    def step(i, carry):
+        dk, dv = carry
+        start = pl.multiple_of(i * bq, bq)
+        q = q_ref[pl.ds(start, bq), :]
+        do = do_ref[pl.ds(start, bq), :]
+        lse = lse_ref[pl.ds(start, bq)]
+        delta = delta_ref[pl.ds(start, bq)]
+        qi = start + lax.broadcasted_iota(jnp.int32, (bq,), 0)
+        s = _dot(q, k, trans_b=True) * scale
+        p = jnp.where(_mask(qi, kj, kv_len, causal), jnp.exp(s - lse[:, None]), 0.0)
+        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+        dp = _dot(do, v, trans_b=True)
+        ds = p * (dp - delta[:, None])
+        dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+        return dk, dv
+
+    first = (j * bk) // bq if causal else 0
+    zeros = jnp.zeros(dk_ref.shape, jnp.float32)
+    dk, dv = lax.fori_loop(first, nq, step, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    dim: int
+    bq: int
+    bk: int
+    q_pad: int
+    kv_pad: int
+    d_pad: int
+    scale: float
+
+
+def _geometry(q, k, cfg: _Config) -> _Geometry:
+    b, tq, h, d = q.shape
+    tk = k.shape[1]
+    bq, bk = fit_block(cfg.block_q, tq), fit_block(cfg.block_k, tk)
+    scale = cfg.sm_scale if cfg.sm_scale is not None else 1.0 / math.sqrt(d)
+    return _Geometry(b, h, tq, tk, d, bq, bk, -(-tq // bq) * bq, -(-tk // bk) * bk,
+                     max(16, next_pow2(d)), float(scale))
+
+
+def _pad(x, seq: int, dim: int):
+    return jnp.pad(x, ((0, 0), (0, seq - x.shape[1]), (0, 0), (0, dim - x.shape[3])))
+
+
+def _specs(g: _Geometry):
+    blk = lambda n, f: pl.BlockSpec((None, n, None, g.d_pad), f)  # noqa: E731
+    return blk, (lambda n, f: pl.BlockSpec((None, None, n), f))
+
+
+def _forward(q, k, v, cfg: _Config):
+    g = _geometry(q, k, cfg)
+    blk, row = _specs(g)
+    nq, nk = g.q_pad // g.bq, g.kv_pad // g.bk
+    o, lse = _interp.call(
+        functools.partial(_fwd_body, scale=g.scale, causal=cfg.causal, kv_len=g.kv_len,
+                          bq=g.bq, bk=g.bk, nk=nk),
+        out_shape=(jax.ShapeDtypeStruct((g.batch, g.q_pad, g.heads, g.d_pad), q.dtype),
+                   jax.ShapeDtypeStruct((g.batch, g.heads, g.q_pad), jnp.float32)),
+        grid=(g.batch, g.heads, nq),
+        in_specs=[blk(g.bq, lambda b, h, i: (b, i, h, 0)),
+                  blk(g.kv_pad, lambda b, h, i: (b, 0, h, 0)),
+                  blk(g.kv_pad, lambda b, h, i: (b, 0, h, 0))],
+        out_specs=(blk(g.bq, lambda b, h, i: (b, i, h, 0)), row(g.bq, lambda b, h, i: (b, h, i))),
+        dimension_semantics=("parallel", "parallel", "parallel"), name="peat_pallas_attention",
+        interpret=cfg.interpret, checks=cfg.checks,
+    )(_pad(q, g.q_pad, g.d_pad), _pad(k, g.kv_pad, g.d_pad), _pad(v, g.kv_pad, g.d_pad))
+    return o[:, :g.q_len, :, :g.dim], o, lse
+
+
+def _backward(q, k, v, o_pad, lse, do, cfg: _Config):
+    g = _geometry(q, k, cfg)
+    blk, row = _specs(g)
+    nq, nk = g.q_pad // g.bq, g.kv_pad // g.bk
+    qp, kp, vp = _pad(q, g.q_pad, g.d_pad), _pad(k, g.kv_pad, g.d_pad), _pad(v, g.kv_pad, g.d_pad)
+    dop = _pad(do.astype(q.dtype), g.q_pad, g.d_pad)
+    delta = jnp.einsum("bqhd,bqhd->bhq", o_pad.astype(jnp.float32), dop.astype(jnp.float32))
+    common = dict(scale=g.scale, causal=cfg.causal, kv_len=g.kv_len, bq=g.bq, bk=g.bk)
+    sem = ("parallel", "parallel", "parallel")
+    dq = _interp.call(
+        functools.partial(_dq_body, nk=nk, **common),
+        out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype), grid=(g.batch, g.heads, nq),
+        in_specs=[blk(g.bq, lambda b, h, i: (b, i, h, 0)),
+                  blk(g.kv_pad, lambda b, h, i: (b, 0, h, 0)),
+                  blk(g.kv_pad, lambda b, h, i: (b, 0, h, 0)),
+                  blk(g.bq, lambda b, h, i: (b, i, h, 0)),
+                  row(g.bq, lambda b, h, i: (b, h, i)), row(g.bq, lambda b, h, i: (b, h, i))],
+        out_specs=blk(g.bq, lambda b, h, i: (b, i, h, 0)), dimension_semantics=sem,
+        name="peat_pallas_attention_dq", interpret=cfg.interpret, checks=cfg.checks,
+    )(qp, kp, vp, dop, lse, delta)
+    dk, dv = _interp.call(
+        functools.partial(_dkv_body, nq=nq, **common),
+        out_shape=(jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)),
+        grid=(g.batch, g.heads, nk),
+        in_specs=[blk(g.q_pad, lambda b, h, j: (b, 0, h, 0)),
+                  blk(g.bk, lambda b, h, j: (b, j, h, 0)),
+                  blk(g.bk, lambda b, h, j: (b, j, h, 0)),
+                  blk(g.q_pad, lambda b, h, j: (b, 0, h, 0)),
+                  row(g.q_pad, lambda b, h, j: (b, h, 0)), row(g.q_pad, lambda b, h, j: (b, h, 0))],
+        out_specs=(blk(g.bk, lambda b, h, j: (b, j, h, 0)), blk(g.bk, lambda b, h, j: (b, j, h, 0))),
+        dimension_semantics=sem, name="peat_pallas_attention_dkv", interpret=cfg.interpret,
+        checks=cfg.checks,
+    )(qp, kp, vp, dop, lse, delta)
+    cut = lambda x, t: x[:, :t, :, :g.dim]  # noqa: E731
+    return cut(dq, g.q_len), cut(dk, g.kv_len), cut(dv, g.kv_len)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, cfg):
+    return _forward(q, k, v, cfg)[0]
+
+
+def _attention_fwd(q, k, v, cfg):
+    o, o_pad, lse = _forward(q, k, v, cfg)
+    return o, (q, k, v, o_pad, lse)
+
+
+def _attention_bwd(cfg, res, do):
+    q, k, v, o_pad, lse = res
+    return _backward(q, k, v, o_pad, lse, do, cfg)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _config(causal, sm_scale, block_q, block_k, interpret, checks) -> _Config:
+    _interp.validate_interpret(interpret, checks)
+    return _Config(bool(causal), None if sm_scale is None else float(sm_scale),
+                   check_block("block_q", block_q), check_block("block_k", block_k), interpret,
+                   _interp.normalize_checks(checks))
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+              sm_scale: Optional[float] = None, block_q: int = 32, block_k: int = 32,
+              interpret: Optional[bool] = None, checks: Checks = None) -> jax.Array:
+    """Differentiable Pallas flash attention; q `[B, Tq, H, D]`, k/v `[B, Tk, H, D]`. Returns
+    `[B, Tq, H, D]` in q's dtype."""
+    return _attention(q, k, v, _config(causal, sm_scale, block_q, block_k, interpret, checks))
+
+
+def attention_supports(name: str, site, *, causal: bool) -> Optional[str]:
+    """None if `site` is an `attention(q, k, v)` region this layout serves, else the reason."""
+    args = region_args(site)
+    if args is None:
+        return (f"{name} replaces an attention(q, k, v) region, not the primitive site "
+                f"{site.primitive!r}")
+    if len(args) != 3 or not all(isinstance(a, jax.ShapeDtypeStruct) for a in args):
+        return f"{name} needs a region attention(q, k, v) of three arrays, got {len(args)} arguments"
+    q, k, v = args
+    if any(len(a.shape) != 4 for a in args):
+        return (f"{name} needs q, k, v as [batch, seq, heads, head_dim], got shapes "
+                f"{[tuple(a.shape) for a in args]}")
+    if tuple(k.shape) != tuple(v.shape):
+        return f"{name} needs k and v of the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+    if (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
+        return (f"{name} needs q and k with equal batch, heads and head_dim, got {tuple(q.shape)} "
+                f"and {tuple(k.shape)}")
+    if q.shape[3] > MAX_HEAD_DIM:
+        return f"{name} holds a head in one block: head_dim {q.shape[3]} exceeds {MAX_HEAD_DIM}"
+    if causal and q.shape[1] != k.shape[1]:
+        return (f"{name} with causal=True needs equal query and key lengths, got {q.shape[1]} "
+                f"and {k.shape[1]}")
+    return float_reason(name, [q.dtype, k.dtype, v.dtype])
+
+
+def pallas_attention(causal: bool = False, *, sm_scale: Optional[float] = None,
+                     block_q: int = 32, block_k: int = 32, interpret: Optional[bool] = None,
+                     checks: Checks = None) -> Kernel:
+    """A `peat.Kernel` for a region `attention(q, k, v)` laid out like Flax's
+    `nn.dot_product_attention` (`[batch, seq, heads, head_dim]`, no mask argument).
+
+    Args:
+      causal: query i attends to keys j <= i (equal lengths required).
+      sm_scale: logits scale; None for `1/sqrt(head_dim)` (Flax's).
+      block_q, block_k: query/key block sizes (powers of two).
+      interpret, checks: see `peat_jax.kernels.pallas.interpret`.
+
+    Returns:
+      A Kernel returning q's shape and dtype; forward (online softmax, float32 statistics) and
+      backward (dq kernel, dk/dv kernel) in Pallas.
+    """
+    cfg = _config(causal, sm_scale, block_q, block_k, interpret, checks)
+    name = (f"pallas_attention(causal={cfg.causal}, block_q={cfg.block_q}, "
+            f"block_k={cfg.block_k}{', checked' if cfg.checks else ''})")
+    return Kernel(name, lambda q, k, v: _attention(q, k, v, cfg),
+                  supports=lambda site: attention_supports(name, site, causal=cfg.causal))

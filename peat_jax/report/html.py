@@ -1,0 +1,197 @@
+"""The HTML report of a run directory: one self-contained file, readable without a server.
+
+Sections: the run manifest; the golden loss curve; for each playback campaign a site x checkpoint
+grid coloured by the local diagnosis, and for its failing cells the ULP-distance histogram, the
+differing-bit histogram, the error-mask image and the evidence; for each runtime campaign the loss
+curves golden vs injected with the fired steps marked. Every user-provided string is escaped.
+"""
+from __future__ import annotations
+
+import html
+import json
+import pathlib
+from typing import Any, Optional
+
+from peat_jax.errors import PeatError
+from peat_jax.profiler.rundir import PathLike, RunDir, read_jsonl
+from peat_jax.report.plots import bar_chart, line_chart, mask_image
+
+__all__ = ["write_report", "render_report"]
+
+# Colours per verdict: passing models green, numeric-but-failing amber, faults and bugs red.
+_PASS = {"exact": "#2e7d32", "numerical_noise": "#66bb6a"}
+_NUMERIC = {"reduced_precision", "low_precision_accumulation", "flush_to_zero", "nondeterministic"}
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:24px;color:#222;max-width:1200px}
+h1{font-size:22px}h2{font-size:18px;margin-top:32px;border-bottom:1px solid #ddd}h3{font-size:15px}
+table{border-collapse:collapse;margin:8px 0;font-size:13px}td,th{border:1px solid #ddd;padding:3px 6px}
+th{background:#f5f5f5;text-align:left}.grid td{text-align:center;min-width:70px;color:#fff;font-size:11px}
+.grid td.none{background:#bbb}.pass{color:#2e7d32;font-weight:600}.fail{color:#c62828;font-weight:600}
+.plot{margin:6px 12px 6px 0;border:1px solid #eee;background:#fff}
+.plots{display:flex;flex-wrap:wrap;align-items:flex-start;margin-top:6px}.cell{margin:16px 0;padding:8px;
+border-left:4px solid #c62828;background:#fafafa}code{font-size:12px}.muted{color:#777}
+"""
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _colour(diag: Optional[dict]) -> str:
+    if not diag:
+        return "#bbb"
+    model = diag.get("model", "")
+    if model in _PASS and diag.get("passed", False):
+        return _PASS[model]
+    if diag.get("passed", False):
+        return "#66bb6a"
+    return "#f9a825" if model in _NUMERIC else "#c62828"
+
+
+def _table(rows: list[tuple[str, Any]]) -> str:
+    return "<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows) + "</table>"
+
+
+def _manifest_section(m: dict) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in (m.get("versions") or {}).items() if v)
+    rows = [("workload", m.get("workload")), ("config", json.dumps(m.get("config"), sort_keys=True)),
+            ("seed", m.get("seed")), ("steps", m.get("steps")),
+            ("checkpoint every", m.get("checkpoint_every")), ("backend", m.get("backend")),
+            ("device kind", m.get("device_kind")), ("versions", versions),
+            ("created", m.get("created"))]
+    return "<h2>Run</h2>" + _table(rows)
+
+
+def _playback_section(name: str, records: list[dict]) -> str:
+    if not records:
+        return ""
+    ckpts = sorted({r["checkpoint"] for r in records})
+    sites = sorted({r["site"] for r in records})
+    info = {r["site"]: r for r in records}
+    by = {(r["checkpoint"], r["site"]): r for r in records}
+    head = "".join(f"<th>step {c}</th>" for c in ckpts)
+    rows = []
+    for s in sites:
+        r0 = info[s]
+        cells = []
+        for c in ckpts:
+            r = by.get((c, s))
+            if r is None:
+                cells.append('<td class="none">-</td>')
+                continue
+            local, effect = r.get("local"), r.get("effect")
+            label = (local or effect or {}).get("model", r.get("status", "?"))
+            tip = (local or {}).get("summary", "") or r.get("error", "")
+            cells.append(f'<td style="background:{_colour(local or effect)}" title="{_e(tip)}">'
+                         f"{_e(label)}</td>")
+        rows.append(f"<tr><th>#{_e(s)} {_e(r0.get('phase', ''))} {_e(r0.get('primitive', ''))}"
+                    f" <span class='muted'>{_e(r0.get('path', ''))}</span></th>{''.join(cells)}</tr>")
+    out = [f'<h2 id="campaign-{_e(name)}">Playback campaign: {_e(name)}</h2>',
+           f"<p>Candidate: <code>{_e(records[0].get('candidate', '?'))}</code>. Each cell replays the "
+           "checkpointed step with the candidate at one site; colour = local diagnosis at the site "
+           "(green passes, amber numeric, red fault or bug).</p>",
+           f'<table class="grid verdicts"><tr><th>site</th>{head}</tr>{"".join(rows)}</table>']
+    failing = [r for r in records if r.get("local") and not r["local"].get("passed", True)]
+    crashed = [r for r in records if r.get("status") in ("crashed", "timeout")]
+    if crashed:
+        out.append("<h3>Crashed or timed-out cells</h3>" + _table(
+            [(f"step {r['checkpoint']} site #{r['site']}", f"{r['status']}: {r.get('error', '')}")
+             for r in crashed]))
+    if failing:
+        out.append(f"<h3>Failing cells ({len(failing)})</h3>")
+    for r in failing[:12]:
+        out.append(_failing_cell(r))
+    if len(failing) > 12:
+        out.append(f"<p class='muted'>{len(failing) - 12} more failing cells in results.jsonl</p>")
+    return "".join(out)
+
+
+def _failing_cell(r: dict) -> str:
+    local = r["local"]
+    parts = [f'<div class="cell"><b>step {_e(r["checkpoint"])}, site #{_e(r["site"])} '
+             f'{_e(r.get("phase", ""))} {_e(r.get("primitive", ""))} @ {_e(r.get("path", ""))}</b>: '
+             f'<span class="fail">{_e(local.get("summary", local.get("model")))}</span>'
+             '<div class="plots">']
+    sig = r.get("local_signature") or {}
+    if sig.get("ulp_histogram"):
+        h = sig["ulp_histogram"]
+        parts.append(bar_chart(h, title="ULP distance (log2 buckets)",
+                               labels=["0"] + [f"2^{i}" for i in range(len(h) - 1)], log=True))
+    if sig.get("bit_histogram"):
+        b = sig["bit_histogram"]
+        cls = sig.get("bit_classes") or []
+        colours = [{"sign": "#d62728", "exponent": "#ff7f0e"}.get(c, "#1f77b4") for c in cls] or None
+        parts.append(bar_chart(b, title="differing bit positions (red sign, orange exponent)",
+                               labels=[str(i) for i in range(len(b))], colors=colours))
+    if sig.get("mask"):
+        parts.append(mask_image(sig["mask"], title=f"error mask ({_e(sig.get('mask_note', ''))})"))
+    parts.append("</div>")
+    ev = local.get("evidence") or {}
+    if ev:
+        parts.append(_table([(k, json.dumps(v) if not isinstance(v, str) else v)
+                             for k, v in list(ev.items())[:20]]))
+    eff = r.get("effect") or {}
+    parts.append(f"<p>Effect on the step: <b>{_e(eff.get('model', '?'))}</b> "
+                 f"{_e(eff.get('summary', ''))}; loss golden {_e(r.get('loss', ['?', '?'])[0])}, "
+                 f"with candidate {_e(r.get('loss', ['?', '?'])[1])}</p></div>")
+    return "".join(parts)
+
+
+def _runtime_section(name: str, res: dict) -> str:
+    chart = line_chart({"golden": res.get("golden_losses", []), "injected": res.get("losses", [])},
+                       title=f"loss, {res.get('schedule', '')}", markers=res.get("fired_steps", []),
+                       ylabel="loss")
+    ok = res.get("outcome") == "masked"
+    return (f'<h2 id="runtime-{_e(name)}">Runtime injection: {_e(name)}</h2><p>Outcome: '
+            f"<span class='{'pass' if ok else 'fail'}'>{_e(res.get('outcome'))}</span>; schedule "
+            f"<code>{_e(res.get('schedule'))}</code>, fired at {len(res.get('fired_steps', []))} steps "
+            f"(dashed lines); noise band {_e(round(res.get('band', 0), 6))}.</p>{chart}"
+            + _table([(k, v) for k, v in (res.get("evidence") or {}).items()]))
+
+
+def render_report(run_dir: PathLike) -> str:
+    """The report of `run_dir` as an HTML string."""
+    rd = RunDir(run_dir)
+    m = rd.manifest()
+    golden = rd.golden_losses()
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>peat_jax report: "
+             f"{_e(m.get('workload'))}</title><style>{_CSS}</style></head><body>",
+             f"<h1>peat_jax report: {_e(m.get('workload'))}</h1>", _manifest_section(m)]
+    if golden:
+        parts.append("<h2>Golden run</h2>" + line_chart({"golden loss": golden},
+                                                         title="golden training loss", ylabel="loss"))
+    if rd.eval_path.exists():
+        try:
+            ev = json.loads(rd.eval_path.read_text())
+            parts.append(_table([(f"held-out {k}", v) for k, v in ev.items()]))
+        except ValueError:
+            parts.append("<p class='fail'>golden/eval.json is damaged</p>")
+    camp_root = rd.path / "campaigns"
+    for camp in sorted(camp_root.iterdir()) if camp_root.exists() else []:
+        records: list[dict] = []
+        for f in sorted(camp.glob("results*.jsonl")):
+            records.extend(read_jsonl(f))
+        if records:
+            parts.append(_playback_section(camp.name, records))
+        rt = camp / "runtime.json"
+        if rt.exists():
+            try:
+                parts.append(_runtime_section(camp.name, json.loads(rt.read_text())))
+            except ValueError:
+                parts.append(f"<p class='fail'>{_e(rt)} is damaged</p>")
+    parts.append("</body></html>")
+    return "".join(parts)
+
+
+def write_report(run_dir: PathLike, path: Optional[PathLike] = None) -> pathlib.Path:
+    """Write the report of `run_dir` to `path` (default `run_dir/report.html`); returns the path."""
+    out = pathlib.Path(path) if path is not None else pathlib.Path(run_dir) / "report.html"
+    text = render_report(run_dir)
+    try:
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(out)
+    except OSError as e:
+        raise PeatError(f"cannot write the report to {out}: {e.strerror}") from None
+    return out
