@@ -1,0 +1,100 @@
+"""The `peat` command driven as a user would: subprocesses, exit codes, files, the report."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def peat(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "peat_jax", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "run"
+    r = peat("demo", "--out", str(out), "--steps", "30", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_demo_writes_results_and_a_report_that_agrees(demo):
+    out, summary = demo
+    assert summary["playback"]["pallas_matmul"]["failing"] == 0
+    assert summary["playback"]["tile_bug"]["failing"] == summary["playback"]["tile_bug"]["cells"] > 0
+    assert summary["runtime"]["outcome"] != "masked"
+    html = (out / "report.html").read_text()
+    for camp in ("pallas_matmul", "tile_bug"):
+        records = [json.loads(x) for x in (out / "campaigns" / camp / "results.jsonl").read_text().splitlines()]
+        for r in records:
+            # the grid cell of (checkpoint, site) shows the diagnosis recorded for it
+            assert r["local"]["model"] in html
+        assert len(records) == summary["playback"][camp]["cells"]
+    assert html.count("<svg") >= 3 and "<script" not in html
+
+
+@pytest.mark.slow
+def test_report_renders_in_headless_chromium(demo, tmp_path):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("chromium is not installed (.ci/run installs it)")
+    out, _ = demo
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                          f"file://{out / 'report.html'}"], capture_output=True, text=True,
+                         timeout=120)
+    assert 'class="grid verdicts"' in dom.stdout and "tile_boundary" in dom.stdout
+    assert dom.stdout.count('class="plot') >= 4
+    shot = tmp_path / "report.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                    f"--screenshot={shot}", "--window-size=1200,2400",
+                    f"file://{out / 'report.html'}"], capture_output=True, timeout=120)
+    assert shot.exists() and shot.stat().st_size > 20_000
+
+
+def test_check_fails_on_a_buggy_kernel_with_the_diagnosis():
+    r = peat("check", "cli_kernels:wrong_scale_matmul", "--shapes", "16x8,8x4")
+    assert r.returncode == 1
+    assert "wrong_scale" in r.stdout and "fails" in r.stdout
+    ok = peat("check", "cli_kernels:correct_matmul", "--shapes", "16x8,8x4", "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["passed"] is True
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["bogus"], "invalid choice"),
+    (["demo", "--steps", "0"], "positive integer"),
+    (["sites", "no_such_workload"], "neither a bundled name nor module.path:attribute"),
+    (["check", "no_such_kernel"], "unknown kernel 'no_such_kernel'"),
+    (["playback", "/nonexistent/run", "--fault", "scale(2.0)"], "does not exist"),
+    (["runtime", "/nonexistent/run", "--fault", "nope(1)", "--every", "5"], "unknown fault 'nope'"),
+    (["runtime", "/nonexistent/run", "--fault", "scale(2.0)"], "give exactly one schedule"),
+    (["check", "cli_kernels:nothing_here"], "has no attribute 'nothing_here'"),
+])
+def test_bad_arguments_give_one_line_error_and_no_traceback(args, needle):
+    r = peat(*args, timeout=120)
+    assert r.returncode == 2
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if ln.startswith("peat")]) >= 1
+
+
+def test_sites_json_lists_the_default_workload_sites():
+    r = peat("sites", "vision", "--json", "--primitive", "dot_general")
+    assert r.returncode == 0, r.stderr
+    sites = json.loads(r.stdout)
+    assert [s["phase"] for s in sites] == ["fwd", "fwd", "bwd", "bwd", "bwd", "bwd"]
+
+
+def test_help_reads_well():
+    r = peat("--help")
+    assert r.returncode == 0
+    for cmd in ("demo", "sites", "profile", "playback", "runtime", "check", "report"):
+        assert cmd in r.stdout
