@@ -1,13 +1,21 @@
 """peat_jax: pseudo-error assessment for GPU kernels in JAX training.
 
-Find the op sites of any JAX function (forward and backward), put a candidate kernel or a
-modelled fault at chosen sites, switch it by a traced site index or a step schedule.
+Sites and substitution: find the op sites of any JAX function (forward and backward), put a
+candidate kernel or a modelled fault at chosen sites, switch it by a traced site index or a step
+schedule. Analyzer and Detector: characterise a candidate's error against the XLA reference and
+name its error model. Profiler: golden runs on Orbax, playback of checkpointed steps with the
+candidate at one site, frequency-based runtime injection. See README.md.
 """
-from peat_jax import faults, kernels
+from peat_jax import faults, kernels, profiler, report, testing
+from peat_jax.analyzer import Signature, analyze
+from peat_jax.check import check_kernel
+from peat_jax.detector import Diagnosis, detect
 from peat_jax.errors import PeatError
 from peat_jax.faults import Fault
 from peat_jax.kernels import Kernel
 from peat_jax.profiler import GoldenRun, RuntimeResult, Workload, profile, runtime
+from peat_jax.profiler.compare import RunComparison, compare_runs
+from peat_jax.profiler.playback import PlaybackResult, playback
 from peat_jax.regions import flax_regions, region
 from peat_jax.schedule import Schedule, at_steps, every, inject, with_probability
 from peat_jax.sites import Site, format_sites, list_sites, select
@@ -16,15 +24,23 @@ from peat_jax.substitute import substitute, switched
 __version__ = "0.1.0"
 
 __all__ = [
+    "Diagnosis",
     "Fault",
     "GoldenRun",
     "Kernel",
     "PeatError",
+    "PlaybackResult",
+    "RunComparison",
     "RuntimeResult",
     "Schedule",
+    "Signature",
     "Site",
     "Workload",
+    "analyze",
     "at_steps",
+    "check_kernel",
+    "compare_runs",
+    "detect",
     "every",
     "faults",
     "flax_regions",
@@ -32,11 +48,15 @@ __all__ = [
     "inject",
     "kernels",
     "list_sites",
+    "playback",
     "profile",
+    "profiler",
     "region",
+    "report",
     "runtime",
     "select",
     "substitute",
+    "testing",
     "switched",
     "with_probability",
 ]

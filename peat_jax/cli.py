@@ -1,17 +1,30 @@
-"""The `peat` command.
+"""The `peat` command: the whole PEAT flow on a bundled workload, or step by step.
 
-  peat demo [--workload NAME] [--steps N] [--json]   the main job on a bundled workload
-  peat sites TARGET [--primitive P ...] [--json]     list the op sites of a workload's train step
+  peat demo [--out DIR]                        golden run, playback campaigns, runtime injection,
+                                               a summary table and an HTML report
+  peat sites TARGET                            the op sites of a train step (or any function)
+  peat profile TARGET --out DIR                the golden run (Orbax checkpoints, metrics)
+  peat playback RUN_DIR (--kernel K | --fault F) [--sites SEL] [--checkpoints C,...]
+  peat runtime RUN_DIR (--kernel K | --fault F) (--every N [--offset O] | --at-steps S,... |
+               --probability P) [--steps N]
+  peat check KERNEL [--shapes 64x32,32x16] [--dtype float32]   a kernel against XLA
+  peat report RUN_DIR                          (re)write RUN_DIR/report.html
 
-TARGET is a bundled workload name (see `peat sites --help`).
+TARGET: a bundled workload name, or `module.path:attribute` naming a `peat.Workload` or a
+zero-argument callable returning one (loaded only when named). KERNEL: a bundled kernel name
+(`peat check --help` lists them) or `module.path:attribute` (a `peat.Kernel` or a factory).
+FAULT: a call of a `peat.faults` constructor with literal arguments, e.g. "bit_flip(bit=30)".
+Exit status: 0 on success, 1 when a check or campaign finds a failing kernel, 2 on bad input.
 """
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,33 +32,188 @@ import numpy as np
 
 import peat_jax as peat
 from peat_jax import models
+from peat_jax.errors import PeatError
+
+# Bundled kernels by name: factory, and the primitive or region its reference lowers to.
+KERNELS: dict[str, Callable[[], "peat.Kernel"]] = {
+    "pallas_matmul": lambda: peat.kernels.pallas_matmul(),
+    "blocked_matmul": lambda: peat.kernels.blocked_matmul(),
+    "xla_matmul": lambda: peat.kernels.xla_matmul(),
+    "ffi_matmul": lambda: peat.kernels.ffi_matmul(),
+}
 
 
-def _workload(name: str):
-    if name not in models.available():
-        raise peat.PeatError(f"unknown workload {name!r}; bundled workloads: "
-                             f"{', '.join(models.available())}")
-    return models.get(name)
+# --------------------------------------------------------------------------------------------
+# Console output
+
+def _console():
+    from rich.console import Console
+    c = Console(stderr=False, highlight=False)
+    if not c.is_terminal:  # piped or captured: wide enough for the tables, no wrapping
+        c = Console(stderr=False, highlight=False, width=140)
+    return c
+
+
+class _Progress:
+    """A rich progress bar (to stderr) that callbacks `(done, total)` can drive."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and sys.stderr.isatty()
+        self._p = None
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeElapsedColumn)
+            from rich.console import Console
+            self._p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                               TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            self._p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._p is not None:
+            self._p.__exit__(*exc)
+
+    def task(self, description: str) -> Callable[[int, int], None]:
+        if self._p is None:
+            return lambda done, total: None
+        tid = self._p.add_task(description, total=None)
+        return lambda done, total: self._p.update(tid, completed=done, total=total)
+
+
+def _say(args, msg: str) -> None:
+    if not args.json:
+        _console().print(msg)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument parsing helpers
+
+def _load_attr(spec: str, what: str) -> Any:
+    if ":" not in spec:
+        raise PeatError(f"{what} {spec!r} is neither a bundled name nor module.path:attribute")
+    mod, _, attr = spec.partition(":")
+    try:
+        obj = importlib.import_module(mod)
+    except ImportError as e:
+        raise PeatError(f"cannot import module {mod!r} for {what} {spec!r}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise PeatError(f"module {mod!r} has no attribute {attr!r} (from {what} {spec!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _workload(target: str) -> peat.Workload:
+    if target in models.available():
+        return models.get(target)
+    obj = _load_attr(target, "workload")
+    if callable(obj) and not isinstance(obj, peat.Workload):
+        obj = obj()
+    if not isinstance(obj, peat.Workload):
+        raise PeatError(f"{target!r} is not a peat.Workload (got {type(obj).__name__}); bundled "
+                        f"workloads: {', '.join(models.available())}")
+    return obj
+
+
+def _kernel(spec: str) -> peat.Kernel:
+    if spec in KERNELS:
+        return KERNELS[spec]()
+    obj = _load_attr(spec, "kernel") if ":" in spec else None
+    if obj is None:
+        raise PeatError(f"unknown kernel {spec!r}; bundled kernels: {', '.join(KERNELS)}, or give "
+                        "module.path:attribute")
+    if callable(obj) and not isinstance(obj, peat.Kernel):
+        obj = obj()
+    if not isinstance(obj, peat.Kernel):
+        raise PeatError(f"{spec!r} is not a peat.Kernel (got {type(obj).__name__})")
+    return obj
+
+
+def parse_fault(spec: str) -> peat.Fault:
+    """A fault from text such as "bit_flip(bit=30, index=0)" (literal arguments only)."""
+    try:
+        tree = ast.parse(spec.strip(), mode="eval").body
+    except SyntaxError:
+        raise PeatError(f"cannot parse fault {spec!r}; write e.g. \"bit_flip(bit=30)\"") from None
+    if isinstance(tree, ast.Name):
+        tree = ast.Call(func=tree, args=[], keywords=[])
+    if not (isinstance(tree, ast.Call) and isinstance(tree.func, ast.Name)):
+        raise PeatError(f"fault {spec!r} must be a call like \"scale(2.0)\"")
+    name = tree.func.id
+    if name not in peat.faults.ALL:
+        raise PeatError(f"unknown fault {name!r}; faults: {', '.join(peat.faults.ALL)}")
+    try:
+        args = [ast.literal_eval(a) for a in tree.args]
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in tree.keywords}
+    except ValueError:
+        raise PeatError(f"fault {spec!r}: arguments must be literals (numbers, strings, "
+                        "tuples)") from None
+    try:
+        return getattr(peat.faults, name)(*args, **kwargs)
+    except TypeError as e:
+        raise PeatError(f"fault {spec!r}: {e}") from None
+
+
+def _candidate(args) -> Any:
+    if bool(args.kernel) == bool(args.fault):
+        raise PeatError("give exactly one of --kernel and --fault")
+    return _kernel(args.kernel) if args.kernel else parse_fault(args.fault)
+
+
+def _selector(text: Optional[str], default: str):
+    if text is None:
+        return default
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    sel = [int(p) if p.lstrip("-").isdigit() else p for p in parts]
+    return sel[0] if len(sel) == 1 else sel
+
+
+def _ints(text: Optional[str], what: str) -> Optional[list[int]]:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PeatError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def _schedule(args) -> peat.Schedule:
+    given = [x is not None for x in (args.every, args.at_steps, args.probability)]
+    if sum(given) != 1:
+        raise PeatError("give exactly one schedule: --every N, --at-steps S,... or --probability P")
+    if args.every is not None:
+        return peat.every(args.every, args.offset)
+    if args.at_steps is not None:
+        return peat.at_steps(_ints(args.at_steps, "--at-steps"))
+    return peat.with_probability(args.probability, seed=args.seed)
 
 
 def _batch(wl, step: int):
     return jax.tree.map(jnp.asarray, wl.batch(step))
 
 
+# --------------------------------------------------------------------------------------------
+# Commands
+
 def cmd_sites(args) -> int:
     wl = _workload(args.target)
     state = wl.init(jax.random.key(args.seed))
-    sites = peat.list_sites(wl.train_step, state, _batch(wl, 0),
-                            primitives=args.primitive or None)
+    sites = peat.list_sites(wl.train_step, state, _batch(wl, 0), primitives=args.primitive or None)
     if args.json:
         print(json.dumps([_site_json(s) for s in sites]))
-    else:
-        print(peat.format_sites(sites))
-        counts: dict[tuple[str, str], int] = {}
-        for s in sites:
-            counts[(s.primitive, s.phase)] = counts.get((s.primitive, s.phase), 0) + 1
-        print(f"\n{len(sites)} sites in {wl.name}'s train step: " +
-              ", ".join(f"{p} {ph} x{n}" for (p, ph), n in sorted(counts.items())))
+        return 0
+    from rich.table import Table
+    t = Table(title=f"{len(sites)} sites in {wl.name}'s train step")
+    for col in ("#", "phase", "primitive", "path", "in", "out", "scope"):
+        t.add_column(col)
+    for s in sites:
+        t.add_row(str(s.index), s.phase, s.primitive, s.path,
+                  ", ".join(f"{np.dtype(d).name}{list(sh)}" for sh, d in zip(s.in_shapes, s.in_dtypes)),
+                  ", ".join(f"{np.dtype(d).name}{list(sh)}" for sh, d in zip(s.out_shapes, s.out_dtypes)),
+                  "/".join(s.scope))
+    _console().print(t)
     return 0
 
 
@@ -53,97 +221,200 @@ def _site_json(s: peat.Site) -> dict[str, Any]:
     return {"index": s.index, "primitive": s.primitive, "path": s.path, "phase": s.phase,
             "in": [[list(sh), str(d)] for sh, d in zip(s.in_shapes, s.in_dtypes)],
             "out": [[list(sh), str(d)] for sh, d in zip(s.out_shapes, s.out_dtypes)],
-            "composite": s.composite, "scope": list(s.scope)}
+            "composite": s.composite, "scope": list(s.scope), "repeats": s.repeats}
 
 
-def cmd_demo(args) -> int:
-    """Golden training, a one-compile sweep of a fault over every GEMM site, a correct kernel at
-    every GEMM site, and a scheduled injection run; prints what each did to the loss."""
-    wl = _workload(args.workload)
-    t0 = time.perf_counter()
-    state0 = wl.init(jax.random.key(args.seed))
-    batch0 = _batch(wl, 0)
-    sites = peat.list_sites(wl.train_step, state0, batch0)
-    gemm = ["dot_general", "conv_general_dilated"]
-    dots = [s for s in sites if s.primitive in gemm]
-    _say(args, f"workload {wl.name}: {len(sites)} sites, {len(dots)} GEMM/conv sites "
-               f"({sum(s.phase == 'fwd' for s in dots)} fwd, {sum(s.phase == 'bwd' for s in dots)} bwd)")
-
-    # golden run
-    step = jax.jit(wl.train_step)
-    state, golden = state0, []
-    for i in range(args.steps):
-        state, m = step(state, _batch(wl, i))
-        golden.append(float(m["loss"]))
-    _say(args, f"golden run: loss {golden[0]:.4f} -> {golden[-1]:.4f} over {args.steps} steps")
-
-    # sweep: a fault at each GEMM site in turn, one compiled executable
-    fault = peat.faults.bit_flip(bit=30, seed=args.seed)  # top exponent bit of one element
-    sw = jax.jit(peat.switched(wl.train_step, {"dot_general": fault,
-                                               "conv_general_dilated": fault}))
-    ref_state, ref_m = sw(-1, state, _batch(wl, args.steps))
-    rows = []
-    for s in dots:
-        new_state, m = sw(s.index, state, _batch(wl, args.steps))
-        dloss = abs(float(m["loss"]) - float(ref_m["loss"]))
-        dparam = max(float(jnp.max(jnp.abs(a - b))) if jnp.issubdtype(a.dtype, jnp.floating) else 0.0
-                     for a, b in zip(jax.tree.leaves(new_state["params"]),
-                                     jax.tree.leaves(ref_state["params"])))
-        rows.append({"site": s.index, "phase": s.phase, "path": s.path,
-                     "loss_change": dloss, "max_param_change": dparam})
-    compiles = sw._cache_size()
-
-    # a correct candidate kernel at every GEMM: training should match the golden run
-    kernel = peat.kernels.blocked_matmul(block_k=16)
-    ks = jax.jit(peat.substitute(wl.train_step, {"dot_general": kernel}))
-    state_k, kernel_losses = state0, []
-    for i in range(args.steps):
-        state_k, m = ks(state_k, _batch(wl, i))
-        kernel_losses.append(float(m["loss"]))
-
-    # runtime injection: the fault every 10th step
-    inj = jax.jit(peat.inject(wl.train_step, {"bwd:dot_general": fault}, peat.every(10, offset=5)))
-    state_i, injected = state0, []
-    for i in range(args.steps):
-        state_i, m = inj(state_i, _batch(wl, i), i)
-        injected.append(float(m["loss"]))
-
-    result = {
-        "workload": wl.name, "sites": len(sites),
-        "gemm_sites": len(dots), "golden_loss": [golden[0], golden[-1]],
-        "sweep": {"fault": peat.faults.describe(fault), "compiles": compiles, "cells": rows},
-        "kernel": {"name": kernel.name, "final_loss": kernel_losses[-1],
-                   "max_loss_difference": max(abs(a - b) for a, b in zip(kernel_losses, golden))},
-        "runtime": {"schedule": str(peat.every(10, offset=5)), "final_loss": injected[-1],
-                    "non_finite_steps": int(sum(not np.isfinite(x) for x in injected)),
-                    "first_difference_step": next((i for i, (a, b) in enumerate(zip(injected, golden))
-                                                   if a != b), None)},
-        "seconds": round(time.perf_counter() - t0, 1),
-    }
+def cmd_profile(args) -> int:
+    wl = _workload(args.target)
+    steps = args.steps or int(wl.config.get("steps", 100))
+    with _Progress(not args.json) as p:
+        g = peat.profile(wl, args.out, steps=steps, checkpoint_every=args.checkpoint_every,
+                         seed=args.seed, progress=p.task("golden run"))
+    out = {"run_dir": g.run_dir, "workload": g.workload, "steps": g.steps,
+           "checkpoints": list(g.checkpoints), "loss": [g.losses[0], g.losses[-1]], "eval": g.eval,
+           "resumed_from": g.resumed_from}
+    peat.report.write_report(args.out)
     if args.json:
-        print(json.dumps(result))
-        return 0
-    print(f"\nsweep of {result['sweep']['fault']} over {len(dots)} GEMM/conv sites "
-          f"({compiles} compile):")
-    print(f"{'site':>5} {'phase':5} {'loss change':>12} {'max param change':>17}  path")
-    for r in rows:
-        print(f"{r['site']:>5} {r['phase']:5} {r['loss_change']:12.3g} {r['max_param_change']:17.3g}  "
-              f"{r['path']}")
-    k = result["kernel"]
-    print(f"\ncandidate {k['name']} at every GEMM: final loss {k['final_loss']:.4f} "
-          f"(golden {golden[-1]:.4f}, max per-step difference {k['max_loss_difference']:.2g})")
-    r = result["runtime"]
-    print(f"runtime injection {r['schedule']}: final loss {r['final_loss']:.4f}, "
-          f"{r['non_finite_steps']} non-finite steps, first differs at step "
-          f"{r['first_difference_step']}")
-    print(f"done in {result['seconds']} s")
+        print(json.dumps(out))
+    else:
+        _say(args, f"golden run of {g.workload}: {g.steps} steps, loss {g.losses[0]:.4f} -> "
+                   f"{g.losses[-1]:.4f}, checkpoints {list(g.checkpoints)}"
+                   + (f" (resumed from step {g.resumed_from})" if g.resumed_from is not None else ""))
+        _say(args, f"report: {args.out}/report.html")
     return 0
 
 
-def _say(args, msg: str) -> None:
-    if not args.json:
-        print(msg, flush=True)
+def _cells_table(title: str, records: list[dict]):
+    from rich.table import Table
+    t = Table(title=title)
+    for col in ("step", "site", "phase", "primitive", "path", "local", "effect on step"):
+        t.add_column(col)
+    for r in records:
+        loc = r.get("local") or {}
+        eff = r.get("effect") or {}
+        style = "green" if loc.get("passed", eff.get("passed", False)) else "red"
+        # the effect is what the local error did to the step's loss and params: its shape is
+        # whatever the training math made of it, so only "unchanged or not" is shown here
+        effect = eff.get("model", "-") if eff.get("passed", True) else "changed"
+        t.add_row(str(r["checkpoint"]), str(r["site"]), r.get("phase", ""), r.get("primitive", ""),
+                  r.get("path", ""), f"[{style}]{loc.get('model', r.get('status', '-'))}[/]", effect)
+    return t
 
+
+def _playback(args, run_dir, cand, sites, checkpoints, name, progress) -> tuple[list[dict], Any]:
+    res = peat.playback(run_dir, {sites: cand}, checkpoints=checkpoints, name=name,
+                        progress=progress)
+    return res.records(), res
+
+
+def cmd_playback(args) -> int:
+    cand = _candidate(args)
+    with _Progress(not args.json) as p:
+        records, res = _playback(args, args.run_dir, cand, _selector(args.sites, "dot_general"),
+                                 _ints(args.checkpoints, "--checkpoints"), args.name,
+                                 p.task("playback cells"))
+    peat.report.write_report(args.run_dir)
+    failing = res.failing("local")
+    first = res.first_divergence()
+    if args.json:
+        print(json.dumps({"campaign": res.campaign, "cells": records, "failing": len(failing),
+                          "first_divergence": first, "compiles": res.compiles}))
+    else:
+        _console().print(_cells_table(f"playback of {getattr(cand, 'name', cand)}", records))
+        if first:
+            _say(args, f"[red]first divergence: step {first['checkpoint']}, site #{first['site']} "
+                       f"({first['phase']} {first['primitive']} @ {first['path']}): "
+                       f"{first['local']['summary']}[/]")
+        _say(args, f"{len(records) - len(failing)}/{len(records)} cells pass locally; "
+                   f"results {res.campaign}/; report {args.run_dir}/report.html")
+    return 1 if failing else 0
+
+
+def cmd_runtime(args) -> int:
+    cand = _candidate(args)
+    schedule = _schedule(args)
+    run_dir = args.run_dir
+    steps = args.steps
+    if steps is None:
+        steps = len(peat.profiler.rundir.RunDir(run_dir).golden_losses())
+    with _Progress(not args.json) as p:
+        r = peat.runtime(run_dir, {_selector(args.sites, "dot_general"): cand}, schedule,
+                         steps=steps, name=args.name or f"runtime-{cand.name}",
+                         progress=p.task("training with injection"))
+    peat.report.write_report(run_dir)
+    if args.json:
+        print(json.dumps(r.to_dict()))
+    else:
+        _say(args, f"runtime injection of {cand.name} {r.schedule}: outcome [bold]{r.outcome}[/] "
+                   f"(fired at {len(r.fired_steps)} of {steps} steps; final loss {r.losses[-1]:.4f} "
+                   f"vs golden {r.golden_losses[-1]:.4f})")
+    return 0 if r.outcome == "masked" else 1
+
+
+def _shapes(text: str) -> list[tuple[int, ...]]:
+    try:
+        return [tuple(int(d) for d in s.split("x")) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise PeatError(f"--shapes must look like 64x32,32x16, got {text!r}") from None
+
+
+def cmd_check(args) -> int:
+    kernel = _kernel(args.kernel)
+    shapes = _shapes(args.shapes)
+    dtype = jnp.dtype(args.dtype)
+    keys = jax.random.split(jax.random.key(args.seed), len(shapes))
+    xs = [jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(keys, shapes)]
+    if kernel.primitive != "dot_general" or len(xs) != 2:
+        raise PeatError(f"peat check runs dot_general kernels on two operands; kernel "
+                        f"{kernel.name!r} serves {kernel.primitive!r}: use "
+                        "peat.check_kernel from Python for other kernels")
+    dims = (((xs[0].ndim - 1,), (0,)), ((), ()))
+    params = {"dimension_numbers": dims, "precision": None, "preferred_element_type": dtype}
+
+    def reference(a, b):
+        return jax.lax.dot_general(a, b, dims, preferred_element_type=dtype)
+
+    def candidate(a, b):
+        return kernel(a, b, **params)
+
+    diag = peat.check_kernel(candidate, reference, *xs, allow=tuple(args.allow or ()))
+    if args.json:
+        print(json.dumps(_diag_json(diag)))
+    else:
+        style = "green" if diag.passed else "red"
+        _say(args, f"[{style}]{diag.summary}[/]")
+        for k, v in diag.evidence.items():
+            _say(args, f"  {k}: {v}")
+    return 0 if diag.passed else 1
+
+
+def _diag_json(d) -> dict:
+    return {"model": d.model, "passed": d.passed, "confidence": d.confidence,
+            "evidence": d.evidence, "summary": d.summary}
+
+
+def cmd_report(args) -> int:
+    path = peat.report.write_report(args.run_dir, args.output)
+    print(json.dumps({"report": str(path)}) if args.json else f"report: {path}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """The main job on the default workload: golden run, playback of a correct Pallas matmul and
+    of a faulty one at every GEMM site, runtime injection, summary and HTML report."""
+    t0 = time.perf_counter()
+    out = args.out
+    wl = models.get(args.workload, **({"batch_size": 16, "width": 8, "hidden": 32}
+                                      if args.workload == "vision" else {}))
+    summary: dict[str, Any] = {"run_dir": out, "workload": wl.name}
+    with _Progress(not args.json) as p:
+        g = peat.profile(wl, out, steps=args.steps, checkpoint_every=max(1, args.steps // 3),
+                         seed=args.seed, progress=p.task("golden run"))
+        _say(args, f"golden run: {wl.name}, {g.steps} steps, loss {g.losses[0]:.4f} -> "
+                   f"{g.losses[-1]:.4f}, checkpoints {list(g.checkpoints)}")
+        state = peat.profiler.restore(out, 0)
+        sites = peat.list_sites(wl.train_step, state, _batch(wl, 0))
+        gemm = [s for s in sites if s.primitive == "dot_general"]
+        _say(args, f"{len(sites)} sites in the train step, {len(gemm)} dot_general "
+                   f"({sum(s.phase == 'fwd' for s in gemm)} fwd, {sum(s.phase == 'bwd' for s in gemm)} bwd)")
+        campaigns = {"pallas_matmul": peat.kernels.pallas_matmul(),
+                     "tile_bug": peat.faults.tile_boundary(block=8, axis=0, mode="garbage")}
+        summary["playback"] = {}
+        for name, cand in campaigns.items():
+            res = peat.playback(out, {"dot_general": cand}, name=name,
+                                progress=p.task(f"playback: {name}"))
+            recs = res.records()
+            if not args.json:
+                _console().print(_cells_table(f"playback: {getattr(cand, 'name', name)}", recs))
+            first = res.first_divergence()
+            summary["playback"][name] = {"cells": len(recs), "failing": len(res.failing("local")),
+                                         "models": sorted({r["local"]["model"] for r in recs if r["local"]}),
+                                         "first_divergence": first and {k: first[k] for k in
+                                                                        ("checkpoint", "site", "path", "phase")},
+                                         "compiles": res.compiles}
+        rt = peat.runtime(out, {"fwd:dot_general": peat.faults.bit_flip(bit=30)},
+                          peat.every(10, offset=5), steps=g.steps, name="runtime-bit30",
+                          progress=p.task("runtime injection"))
+    summary["runtime"] = {"schedule": rt.schedule, "outcome": rt.outcome,
+                          "fired_steps": list(rt.fired_steps)}
+    report = peat.report.write_report(out)
+    summary["report"] = str(report)
+    summary["seconds"] = round(time.perf_counter() - t0, 1)
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    for name, s in summary["playback"].items():
+        fd = s["first_divergence"]
+        _say(args, f"{name}: {s['cells'] - s['failing']}/{s['cells']} cells pass "
+                   f"({', '.join(s['models'])}); " +
+             (f"first divergence at step {fd['checkpoint']}, site #{fd['site']} {fd['phase']} "
+              f"@ {fd['path']}" if fd else "no divergence") + f"; {s['compiles']} compile(s)")
+    _say(args, f"runtime injection bit_flip(bit=30) {rt.schedule}: outcome [bold]{rt.outcome}[/]")
+    _say(args, f"report: {report}   ({summary['seconds']} s)")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and the usage, exit status 2
@@ -151,35 +422,102 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="peat", description="Validate GPU kernels inside JAX training: find op "
-                "sites, substitute candidates or faults, replay and inject them.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    d = sub.add_parser("demo", help="run the main job on a bundled workload")
-    d.add_argument("--workload", default=models.DEFAULT, help=f"one of {', '.join(models.available())}")
-    d.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p = _Parser(prog="peat", description="Validate GPU kernels inside JAX training: find op sites, "
+                "replay training steps with a candidate kernel or a modelled fault at one site, "
+                "inject it during training, and diagnose what differs.",
+                epilog="Run `peat demo` first. Exit status: 0 ok, 1 a kernel fails, 2 bad input.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+
+    def common(sp):
+        sp.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+        sp.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+
+    d = sub.add_parser("demo", help="the main job on the default workload (start here)")
+    d.add_argument("--out", default="peat-demo", help="run directory to write (default ./peat-demo)")
+    d.add_argument("--workload", default=models.DEFAULT, choices=models.available())
+    d.add_argument("--steps", type=_positive, default=60, help="golden training steps (default 60)")
+    common(d)
     d.set_defaults(func=cmd_demo)
+
     s = sub.add_parser("sites", help="list the op sites of a workload's train step")
-    s.add_argument("target", help=f"a bundled workload: {', '.join(models.available())}")
+    s.add_argument("target", help="bundled workload or module.path:attribute")
     s.add_argument("--primitive", action="append", help="only these primitives (repeatable)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--json", action="store_true")
+    common(s)
     s.set_defaults(func=cmd_sites)
+
+    pr = sub.add_parser("profile", help="golden run: train, keep Orbax checkpoints and metrics")
+    pr.add_argument("target", help="bundled workload or module.path:attribute")
+    pr.add_argument("--out", required=True, help="run directory")
+    pr.add_argument("--steps", type=_positive, help="training steps (default: the workload's)")
+    pr.add_argument("--checkpoint-every", type=_positive, default=50)
+    common(pr)
+    pr.set_defaults(func=cmd_profile)
+
+    def candidate(sp):
+        sp.add_argument("--kernel", help=f"bundled kernel ({', '.join(KERNELS)}) or module:attribute")
+        sp.add_argument("--fault", help='a fault, e.g. "bit_flip(bit=30)" or "scale(2.0)"')
+        sp.add_argument("--sites", help="site selector(s), comma-separated (default dot_general)")
+        sp.add_argument("--name", help="campaign name (default from the candidate)")
+
+    pb = sub.add_parser("playback", help="replay checkpointed steps with a candidate at each site")
+    pb.add_argument("run_dir")
+    candidate(pb)
+    pb.add_argument("--checkpoints", help="checkpoint steps, comma-separated (default all)")
+    common(pb)
+    pb.set_defaults(func=cmd_playback)
+
+    rt = sub.add_parser("runtime", help="train with the candidate switched in by a schedule")
+    rt.add_argument("run_dir")
+    candidate(rt)
+    rt.add_argument("--every", type=_positive, help="fire every N steps")
+    rt.add_argument("--offset", type=int, default=0, help="with --every: fire when step %% N == offset")
+    rt.add_argument("--at-steps", help="fire at these steps, comma-separated")
+    rt.add_argument("--probability", type=float, help="fire with this probability per step")
+    rt.add_argument("--steps", type=_positive, help="steps (default: the whole golden run)")
+    common(rt)
+    rt.set_defaults(func=cmd_runtime)
+
+    ck = sub.add_parser("check", help="check a matmul kernel against XLA, forward and backward")
+    ck.add_argument("kernel", help=f"bundled kernel ({', '.join(KERNELS)}) or module:attribute")
+    ck.add_argument("--shapes", default="67x45,45x33", help="operand shapes (default 67x45,45x33)")
+    ck.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ck.add_argument("--allow", action="append", help="an error model to accept (repeatable)")
+    common(ck)
+    ck.set_defaults(func=cmd_check)
+
+    rp = sub.add_parser("report", help="write the HTML report of a run directory")
+    rp.add_argument("run_dir")
+    rp.add_argument("--output", help="path of the HTML file (default RUN_DIR/report.html)")
+    common(rp)
+    rp.set_defaults(func=cmd_report)
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "steps", 1) is not None and getattr(args, "steps", 1) <= 0:
-        parser.error("--steps must be a positive integer")
     try:
         return args.func(args)
-    except (peat.PeatError, ValueError, ModuleNotFoundError) as e:
+    except PeatError as e:
         print(f"peat: error: {e}", file=sys.stderr)
         return 2
+    except (ModuleNotFoundError, ValueError, OSError) as e:
+        print(f"peat: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("peat: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -112,3 +112,26 @@ def test_cells_spread_over_four_devices_give_the_same_verdicts(run, tmp_path):
     assert json.loads(four) == [[r["site"], r["local"]["model"], r["effect"]["model"]]
                                 for r in one.records()]
     assert int(compiles) == 2  # the golden replay, and the 4-device replay
+
+
+@pytest.mark.slow
+def test_language_workload_playback_through_scan_and_remat(tmp_path):
+    wl = models.get("language", n_layers=2, d_model=16, n_heads=2, seq_len=16, batch_size=4)
+    profile(wl, tmp_path / "lm", steps=4, checkpoint_every=2)
+    ref = playback(tmp_path / "lm", {"dot_general": peat.Kernel("xla_dot", _reference_dot)},
+                   checkpoints=[0, 2], name="ref")
+    recs = ref.records()
+    assert len(recs) == 2 * 34 and ref.compiles == 1
+    assert {r["local"]["model"] for r in recs} == {"exact"}  # taps come out of scan and remat
+    assert {r["effect"]["model"] for r in recs} == {"exact"}
+
+    # a fault at one backward GEMM inside the scanned blocks is found there only
+    def buggy(a, b, **params):
+        out = jax.lax.dot_general(a, b, **params)
+        return -out if out.shape == (16, 64) else out  # the MLP's first weight gradient
+
+    res = playback(tmp_path / "lm", {"dot_general": peat.Kernel("neg_at_16x64", buggy)},
+                   checkpoints=[2], name="bug")
+    failing = res.failing("local")
+    assert len(failing) == 1 and failing[0]["phase"] == "bwd" and "blocks" in failing[0]["path"]
+    assert failing[0]["local"]["model"] == "sign_flip"

@@ -5,7 +5,8 @@ function from checkpoint c, with the candidate active only at s, and compared wi
 with nothing active (the same compiled executable, site index -1):
   * local: the candidate's output at s against the reference op's output on the same operands
     (for a site inside a `scan`, the iteration with the largest difference);
-  * effect: the step's loss and its updated params against the golden replay.
+  * effect: the step's loss and its updated params against the golden replay (diagnosed on the
+    leaf that changed most).
 The whole grid runs on one compiled executable per (workload, candidate). No activations are
 stored: the batch of step c is regenerated from c, and only the diagnoses are written, one JSON
 line per cell in `campaigns/<name>/results.jsonl`, appended as cells finish; running the same
@@ -47,6 +48,10 @@ class Cell:
         None where it cannot be tapped (a site inside `while`/`cond`).
       effect: Diagnosis of the step's loss and updated params against the golden replay.
       loss: (golden, with candidate) loss of the replayed step.
+      local_signature: for a failing local diagnosis, what the report draws (histograms, a
+        downsampled error mask).
+      effect_leaf: the path of the leaf (`['loss']` or a param) that changed most; `effect` is
+        that leaf's diagnosis.
     """
 
     checkpoint: int
@@ -55,6 +60,8 @@ class Cell:
     local: Any
     effect: Any
     loss: tuple[float, float]
+    local_signature: Optional[dict] = None
+    effect_leaf: str = ""
 
     def to_record(self) -> dict[str, Any]:
         s = self.site
@@ -62,7 +69,8 @@ class Cell:
                 "path": s.path, "phase": s.phase, "composite": s.composite,
                 "candidate": self.candidate,
                 "local": None if self.local is None else _diag_dict(self.local),
-                "effect": _diag_dict(self.effect), "loss": list(self.loss)}
+                "effect": _diag_dict(self.effect), "effect_leaf": self.effect_leaf,
+                "loss": list(self.loss), "local_signature": self.local_signature}
 
 
 def _diag_dict(d) -> dict:
@@ -195,11 +203,40 @@ def _worst_iteration(stacked):
     return c[i], r[i]
 
 
-def _effect(analyze, detect, golden, got):
+def _effect_tree(state, metrics) -> dict:
+    if isinstance(state, dict) and "params" in state:
+        return {"loss": metrics["loss"], "params": state["params"]}
+    return {"loss": metrics["loss"], "state": state}
+
+
+@jax.jit
+def _relative_changes(got, golden):
+    """Per leaf: max |got - golden| / max(max |golden|, tiny), NaN-aware (inf when the
+    non-finite pattern differs)."""
+    def one(c, g):
+        if not jnp.issubdtype(g.dtype, jnp.inexact):
+            return jnp.where(jnp.all(c == g), 0.0, jnp.inf).astype(jnp.float32)
+        c32, g32 = c.astype(jnp.float32), g.astype(jnp.float32)
+        same_nan = jnp.isnan(c32) & jnp.isnan(g32)
+        d = jnp.where(same_nan, 0.0, jnp.abs(c32 - g32))
+        d = jnp.where(jnp.isnan(d), jnp.inf, d)
+        scale = jnp.maximum(jnp.max(jnp.where(jnp.isfinite(g32), jnp.abs(g32), 0.0)), 1e-30)
+        return jnp.max(d) / scale if d.size else jnp.float32(0)
+    return jax.tree.map(one, got, golden)
+
+
+def _effect(analyze, detect, golden, got) -> tuple[Any, str]:
+    """The step's effect: the Diagnosis of the leaf (loss or a param) that changed most,
+    relative to its own scale, and that leaf's path. One small reduction over all leaves picks
+    it, so the full analysis runs on one leaf (and compiles once per leaf shape, not per tree)."""
     (gs, gm), (cs, cm) = golden, got
-    pick = lambda st, m: {"loss": m["loss"], "params": st["params"]} if isinstance(st, dict) \
-        and "params" in st else {"loss": m["loss"], "state": st}  # noqa: E731
-    return detect(analyze(pick(cs, cm), pick(gs, gm)))
+    g_tree, c_tree = _effect_tree(gs, gm), _effect_tree(cs, cm)
+    rel = jax.tree_util.tree_flatten_with_path(jax.device_get(_relative_changes(c_tree, g_tree)))[0]
+    paths = [jax.tree_util.keystr(p) for p, _ in rel]
+    values = [float(v) for _, v in rel]
+    k = int(np.argmax(values)) if any(v > 0 for v in values) else 0
+    leaf_c, leaf_g = jax.tree.leaves(c_tree)[k], jax.tree.leaves(g_tree)[k]
+    return detect(analyze(leaf_c, leaf_g)), paths[k]
 
 
 def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
@@ -327,13 +364,52 @@ def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
 def _cell(analyze, detect, checkpoint: int, site: Site, cand, golden, got) -> Cell:
     gs, gm, _ = golden
     cs, cm, (ct, rt, found) = got
+    local, compact = None, None
     if bool(found):
         n = int(np.prod(site.out_shapes[0]))
         shape, dtype = site.out_shapes[0], site.out_dtypes[0]
-        local = detect(analyze(ct[:n].reshape(shape).astype(dtype),
-                               rt[:n].reshape(shape).astype(dtype)))
-    else:
-        local = None
-    effect = _effect(analyze, detect, (gs, gm), (cs, cm))
+        c, r = ct[:n].reshape(shape).astype(dtype), rt[:n].reshape(shape).astype(dtype)
+        sig = analyze(c, r)
+        local = detect(sig)
+        if not local.passed:
+            compact = _compact_signature(sig, c, r)
+    effect, leaf = _effect(analyze, detect, (gs, gm), (cs, cm))
     return Cell(checkpoint, site, getattr(cand, "name", "?"), local, effect,
-                (float(gm["loss"]), float(cm["loss"])))
+                (float(gm["loss"]), float(cm["loss"])), compact, leaf)
+
+
+_MASK_SIDE = 48
+
+
+def _bit_classes(dtype: str, nbits: int) -> list[str]:
+    mant = {"float32": 23, "bfloat16": 7, "float16": 10, "float64": 52}.get(dtype, nbits - 9)
+    return ["mantissa" if i < mant else "sign" if i == nbits - 1 else "exponent" for i in range(nbits)]
+
+
+@jax.jit
+def _mask_grid(c, r):
+    """Fraction of differing elements in each block of a <= 48 x 48 grid over the output viewed
+    as (rows = all leading axes, cols = last axis)."""
+    c2 = c.reshape(-1, c.shape[-1]) if c.ndim else c.reshape(1, 1)
+    r2 = r.reshape(c2.shape)
+    wrong = ~((c2 == r2) | (jnp.isnan(c2) & jnp.isnan(r2)))
+    rows, cols = wrong.shape
+    br, bc = -(-rows // _MASK_SIDE), -(-cols // _MASK_SIDE)
+    pr, pc = -(-rows // br) * br, -(-cols // bc) * bc
+    w = jnp.pad(wrong.astype(jnp.float32), ((0, pr - rows), (0, pc - cols)))
+    return w.reshape(pr // br, br, pc // bc, bc).mean(axis=(1, 3))
+
+
+def _compact_signature(sig, c, r) -> dict:
+    """What the report draws for a failing cell: histograms and a downsampled error mask."""
+    out: dict[str, Any] = {"dtype": sig.dtype, "shape": list(sig.shape)}
+    if sig.errors is not None:
+        out["ulp_histogram"] = [int(x) for x in sig.errors.ulp_histogram]
+    if sig.bits is not None:
+        out["bit_histogram"] = [int(x) for x in sig.bits.histogram]
+        out["bit_classes"] = _bit_classes(sig.dtype, len(out["bit_histogram"]))
+    grid = np.asarray(_mask_grid(c, r))
+    out["mask"] = [[round(float(v), 3) for v in row] for row in grid]
+    rows = int(np.prod(c.shape[:-1])) if c.ndim > 1 else 1
+    out["mask_note"] = f"{rows} rows x {c.shape[-1] if c.ndim else 1} cols, {grid.shape[0]}x{grid.shape[1]} blocks"
+    return out

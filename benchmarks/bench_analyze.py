@@ -1,0 +1,102 @@
+"""Cost of `peat.analyze` against the cheapest possible comparison.
+
+analyze_ratio: median wall time of `analyze(candidate, golden)` (the public call: device-side
+  statistics, the summary's transfer and the host-side Signature) over the median time of a bare
+  jitted ``max(|candidate - golden|)`` on the same pair, timed in the same run, interleaved
+  (one of each per round). The pair: 16M float32 elements (4096 x 4096), the candidate the golden
+  moved by 0 or +-1 ULP per element (a correct kernel with another rounding). Goal <= 4.
+analyze_ratio_with_errors: the same with 3 elements bit-flipped as well, so the gated stages (worst
+  elements, spatial structure) run too.
+
+Prints one JSON object on one line. Runs with no arguments in about a minute on 2 CPU cores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import peat_jax.analyzer as analyzer
+
+
+def _pair(n_side: int, seed: int = 0):
+    key_g, key_n = jax.random.split(jax.random.key(seed))
+    golden = jax.random.normal(key_g, (n_side, n_side), jnp.float32)
+    step = jax.random.randint(key_n, (n_side, n_side), -1, 2, jnp.int32)
+    bits = jax.lax.bitcast_convert_type(golden, jnp.int32) + step
+    candidate = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return jax.block_until_ready(candidate), jax.block_until_ready(golden)
+
+
+def _with_flips(candidate):
+    bits = jax.lax.bitcast_convert_type(candidate, jnp.uint32).reshape(-1)
+    for idx, bit in ((5, 30), (1_000_003, 27), (bits.shape[0] - 7, 31)):
+        bits = bits.at[idx].set(bits[idx] ^ jnp.uint32(1 << bit))
+    return jax.block_until_ready(jax.lax.bitcast_convert_type(bits, jnp.float32).reshape(
+        candidate.shape))
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
+def _interleaved(a, b, args, repeats: int) -> tuple[float, float]:
+    ta, tb = [], []
+    for _ in range(repeats):
+        ta.append(_timed(a, *args))
+        tb.append(_timed(b, *args))
+    return statistics.median(ta), statistics.median(tb)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--side", type=int, default=4096, help="matrix side (default 4096: 16M)")
+    parser.add_argument("--repeats", type=int, default=15, help="timed rounds per pair")
+    args = parser.parse_args(argv)
+
+    candidate, golden = _pair(args.side)
+    max_abs_diff = jax.jit(lambda c, g: jnp.max(jnp.abs(c - g)))
+
+    def analyze(c, g):
+        return analyzer.analyze(c, g)
+
+    t0 = time.perf_counter()
+    sig = analyze(candidate, golden)          # compile + first run
+    first_call = time.perf_counter() - t0
+    jax.block_until_ready(max_abs_diff(candidate, golden))
+    t_mad, t_an = _interleaved(max_abs_diff, analyze, (candidate, golden), args.repeats)
+
+    faulty = _with_flips(candidate)
+    sig_f = analyze(faulty, golden)
+    t_mad_f, t_an_f = _interleaved(max_abs_diff, analyze, (faulty, golden), args.repeats)
+
+    result = {
+        "benchmark": "analyze",
+        "analyze_ratio": round(t_an / t_mad, 2),
+        "analyze_ms": round(1e3 * t_an, 2),
+        "max_abs_diff_ms": round(1e3 * t_mad, 2),
+        "analyze_ratio_with_errors": round(t_an_f / t_mad_f, 2),
+        "analyze_with_errors_ms": round(1e3 * t_an_f, 2),
+        "first_call_s": round(first_call, 2),
+        "elements": int(candidate.size),
+        "mismatched": sig.counts.mismatched,
+        "significant": sig.counts.significant,
+        "significant_with_errors": sig_f.counts.significant,
+        "repeats": args.repeats,
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "jax": jax.__version__,
+    }
+    assert sig.counts.significant == 0 and sig_f.counts.significant == 3
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

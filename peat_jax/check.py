@@ -1,0 +1,414 @@
+"""``peat.check_kernel``: a candidate kernel against its reference, forward and backward, on the
+example inputs and on adversarial variants of them, with repeats for nondeterminism.
+
+Every comparison is an `analyze` + `detect` (the noise floor from a float64 evaluation of the
+reference when that is possible), so no ``atol`` is needed: a candidate returning zeros fails as
+``zeroed`` whatever the output's magnitude, and a correct candidate with near-zero outputs passes.
+The worst diagnosis is returned, with ``evidence["origin"]`` naming the input variant and the
+output (``"forward"``, or ``"grad[i]"`` for the gradient with respect to positional argument i).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from peat_jax.analyzer import analyze
+from peat_jax.detector import Diagnosis, detect, severity
+from peat_jax.errors import PeatError
+
+__all__ = ["VARIANTS", "check_kernel", "make_variant"]
+
+VARIANTS: tuple[str, ...] = ("example", "large", "tiny", "near_overflow", "subnormal", "zeros",
+                             "outliers", "odd_shape")
+"""Input variants `check_kernel` runs by default (see `make_variant`)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Input variants (built in NumPy on the host: XLA:CPU would flush subnormals)
+# ----------------------------------------------------------------------------------------------
+
+def _is_float_leaf(x) -> bool:
+    try:
+        return jnp.issubdtype(jnp.result_type(x), jnp.floating) and np.ndim(x) >= 0 and \
+            hasattr(x, "shape")
+    except TypeError:
+        return False
+
+
+def _np(x) -> np.ndarray:
+    """Host copy keeping the dtype (bfloat16 included, via ml_dtypes)."""
+    return np.asarray(jax.device_get(x))
+
+
+def _pow2_scale(x: np.ndarray, target_log2: float) -> np.ndarray:
+    """x times a power of two (exact) such that max|x| is about 2**target_log2."""
+    a = np.abs(x.astype(np.float64))
+    m = float(a[np.isfinite(a)].max()) if np.isfinite(a).any() and a.size else 0.0
+    if m == 0.0:
+        return x
+    k = int(round(target_log2 - math.log2(m)))
+    return (x.astype(np.float64) * 2.0 ** k).astype(x.dtype)
+
+
+def _float_info(dtype) -> tuple[int, int, int]:
+    """(emax, emin, nmant) of a float dtype."""
+    fi = jnp.finfo(dtype)
+    return int(fi.maxexp) - 1, int(fi.minexp), int(fi.nmant)
+
+
+def _variant_leaf(name: str, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    emax, emin, _ = _float_info(x.dtype)
+    if name == "large":
+        return _pow2_scale(x, emax / 4)
+    if name == "tiny":
+        return _pow2_scale(x, emin / 4)
+    if name == "near_overflow":
+        return _pow2_scale(x, emax / 2 - 1)
+    if name == "subnormal":
+        return _pow2_scale(x, emin - 2)
+    if name == "zeros":
+        return np.zeros_like(x)
+    if name == "outliers":
+        y = x.copy().reshape(-1)
+        if y.size:
+            k = max(1, y.size // 100)
+            idx = rng.choice(y.size, size=k, replace=False)
+            factor = 2.0 ** min(10, emax // 4)
+            y[idx] = (y[idx].astype(np.float64) * factor).astype(x.dtype)
+        return y.reshape(x.shape)
+    raise PeatError(f"unknown variant {name!r}; variants are {', '.join(VARIANTS)}")
+
+
+def _odd_size(d: int) -> int:
+    """A size that no block size 8..128 divides, near d."""
+    return d + 3 if d >= 2 else d
+
+
+def make_variant(name: str, args: tuple, seed: int = 0) -> Optional[tuple]:
+    """The adversarial variant `name` of positional `args` (pytrees); float leaves change, other
+    leaves are kept. None when the variant does not apply.
+
+    Variants (each float leaf x, dtype with exponent range [emin, emax]):
+      example: the args as given.
+      large: x scaled by a power of two to max|x| ~ 2**(emax/4) (float32: ~4e9).
+      tiny: max|x| ~ 2**(emin/4) (float32: ~3e-10): near-zero outputs.
+      near_overflow: max|x| ~ 2**(emax/2 - 1): products near the dtype's max.
+      subnormal: max|x| ~ 2**(emin - 2): (almost) every value subnormal.
+      zeros: all zeros.
+      outliers: 1% of the elements (at least one) multiplied by 2**min(10, emax/4).
+      odd_shape: every dimension size d >= 2 found in the float leaves becomes d + 3 (not
+        divisible by any block size 8..128; equal sizes stay equal, so matching dimensions
+        still match), with fresh normal data of each leaf's standard deviation. None when a
+        non-float leaf has such a dimension.
+    """
+    if name == "example":
+        return args
+    rng = np.random.default_rng(seed)
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    if name == "odd_shape":
+        sizes = {int(d) for x in leaves if _is_float_leaf(x) for d in np.shape(x) if d >= 2}
+        if not sizes:
+            return None
+        for x in leaves:
+            if not _is_float_leaf(x) and hasattr(x, "shape") and any(
+                    d in sizes for d in np.shape(x)):
+                return None
+        out = []
+        for x in leaves:
+            if not _is_float_leaf(x):
+                out.append(x)
+                continue
+            xn = _np(x)
+            shape = tuple(_odd_size(int(d)) if d in sizes else int(d) for d in xn.shape)
+            std = float(np.std(xn.astype(np.float64))) if xn.size else 1.0
+            std = std if std > 0 and math.isfinite(std) else 1.0
+            out.append((rng.standard_normal(shape) * std).astype(xn.dtype))
+        return jax.tree_util.tree_unflatten(treedef, out)
+    out = []
+    for x in leaves:
+        out.append(_variant_leaf(name, _np(x), rng) if _is_float_leaf(x) else x)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Running the candidate and the reference
+# ----------------------------------------------------------------------------------------------
+
+def _to_jax(args):
+    return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, args)
+
+
+def _float_positions(args) -> list[int]:
+    """Positional arguments holding at least one float leaf (the differentiable inputs)."""
+    return [i for i, a in enumerate(args)
+            if any(_is_float_leaf(x) for x in jax.tree_util.tree_leaves(a))]
+
+
+def _cotangent(out, key):
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    keys = jax.random.split(key, max(len(leaves), 1))
+    cts = []
+    for x, k in zip(leaves, keys):
+        dt = jnp.result_type(x)
+        if jnp.issubdtype(dt, jnp.floating):
+            cts.append(jax.random.normal(k, jnp.shape(x), jnp.float32).astype(dt))
+        else:
+            cts.append(np.zeros(jnp.shape(x), jax.dtypes.float0))
+    return jax.tree_util.tree_unflatten(treedef, cts)
+
+
+def _vjp(fn: Callable, args: tuple, positions: Sequence[int], ct):
+    """Gradients of <fn(*args), ct> with respect to args[i] for i in positions."""
+    def f(*diff):
+        full = list(args)
+        for i, d in zip(positions, diff):
+            full[i] = d
+        return fn(*full)
+
+    out, pullback = jax.vjp(f, *[args[i] for i in positions])
+    return out, pullback(ct)
+
+
+def _as64(args):
+    def cast(x):
+        if _is_float_leaf(x):
+            return np.asarray(_np(x), np.float64)
+        return x
+    return jax.tree.map(cast, args)
+
+
+def _all_f64(tree) -> bool:
+    """True when every float leaf (host arrays) is float64."""
+    leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+    floats = [x for x in leaves if np.issubdtype(x.dtype, np.floating) or x.dtype.kind == "V"
+              or x.dtype.name == "bfloat16"]
+    return bool(floats) and all(x.dtype == np.float64 for x in floats)
+
+
+def _reference64(reference, args, positions, ct, backward: bool):
+    """(forward, grads) of the reference in float64, or (None, None) when it cannot run there
+    (it raises, or returns a narrower float)."""
+    try:
+        with jax.enable_x64(True):
+            a64 = _to_jax(_as64(args))
+            if backward and positions:
+                ct64 = jax.tree.map(
+                    lambda c: jnp.asarray(c, jnp.float64) if jnp.issubdtype(
+                        jnp.result_type(c), jnp.floating) else c, ct)
+                out, grads = _vjp(reference, a64, positions, ct64)
+            else:
+                out, grads = reference(*a64), None
+            out = jax.device_get(out)
+            grads = jax.device_get(grads)
+    except Exception:  # noqa: BLE001 - any failure means "no float64 reference"
+        return None, None
+    if not _all_f64(out):
+        return None, None
+    if grads is not None and not _all_f64(grads):
+        grads = None
+    return out, grads
+
+
+def _same_structure(a, b) -> bool:
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    return ta == tb and all(np.shape(x) == np.shape(y) for x, y in zip(la, lb))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Check:
+    variant: str
+    output: str
+    diagnosis: Diagnosis
+
+
+def _forgive(candidate, golden, atol: Optional[float], rtol: Optional[float]):
+    """The escape hatch: candidate elements within atol + rtol * |golden| of the golden are set
+    to the golden before the analysis."""
+    if atol is None and rtol is None:
+        return candidate
+    a, r = float(atol or 0.0), float(rtol or 0.0)
+
+    def one(c, g):
+        if not jnp.issubdtype(jnp.result_type(g), jnp.floating):
+            return c
+        c, g = jnp.asarray(c), jnp.asarray(g)
+        close = jnp.abs(c.astype(jnp.float32) - g.astype(jnp.float32)) <= \
+            a + r * jnp.abs(g.astype(jnp.float32))
+        return jnp.where(close, g, c)
+
+    return jax.tree.map(one, candidate, golden)
+
+
+def _diagnose(cand, gold, ref64, *, allow, options, comparison="golden") -> Diagnosis:
+    cand = _forgive(cand, gold, options["atol"], options["rtol"])
+    sig = analyze(cand, gold, ref64, reduction_length=options["reduction_length"],
+                  noise_factor=options["noise_factor"], comparison=comparison)
+    return detect(sig, allow=allow)
+
+
+def _check_key(c: _Check) -> tuple:
+    """Worst last: failing, then model class (`severity`), then a forward failure before the
+    gradient failures it usually causes, then the floor ratio."""
+    failing, rank, ratio = severity(c.diagnosis)
+    return (failing, rank, c.output == "forward", ratio)
+
+
+def _call(fn, args, what: str, variant: str):
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        raise PeatError(f"the {what} raised on the {variant!r} inputs: "
+                        f"{type(e).__name__}: {e}") from e
+
+
+def check_kernel(candidate: Callable, reference: Callable, *example_args,
+                 allow: Iterable[str] = (), repeats: int = 2,
+                 variants: Union[None, str, Sequence[str]] = None, seed: int = 0,
+                 backward: bool = True, atol: Optional[float] = None,
+                 rtol: Optional[float] = None, reduction_length: Optional[int] = None,
+                 noise_factor: float = 4.0) -> Diagnosis:
+    """Check `candidate` against `reference` (plain callables with the same signature).
+
+    For every input variant (`make_variant`): both run on the same inputs; the outputs are
+    compared (`analyze` with a float64 evaluation of the reference as the noise floor when the
+    reference runs in float64, else the dtype bound) and diagnosed (`detect`); with
+    ``backward=True`` the VJP of both with the same random cotangent is compared for every
+    positional argument holding floats. On the example inputs the candidate runs `repeats`
+    times (forward and backward) and each run is compared with the first, directly, with the
+    dtype bound as the floor (``nondeterministic`` when they differ beyond it).
+
+    Args:
+      candidate, reference: ``fn(*args) -> array or pytree``.
+      *example_args: the example inputs (arrays or pytrees).
+      allow: models that pass (e.g. ``("reduced_precision",)``).
+      repeats: runs of the candidate on the example inputs (>= 1; 1 disables the repeat check).
+      variants: variant names (default: all of `VARIANTS`; "example" alone for a quick check).
+        A variant the candidate cannot run on is skipped when it is "odd_shape" (the kernel
+        accepts only some shapes), an error otherwise.
+      seed: seeds the variants and the cotangents.
+      backward: also compare gradients.
+      atol, rtol: NOT the main mechanism: candidate elements within ``atol + rtol * |golden|``
+        are treated as equal to the golden before the analysis (an escape hatch for known,
+        accepted differences).
+      reduction_length, noise_factor: passed to `analyze` (the dtype bound's K; F).
+
+    Returns:
+      The worst `Diagnosis` over all checks. ``evidence["origin"]`` is ``{"variant": ...,
+      "output": "forward" | "grad[i]" | "repeat forward" | ...}``; ``evidence["checks"]`` lists
+      every check as ``[variant, output, model]``.
+
+    Raises:
+      PeatError: bad options, a candidate or reference that raises, or outputs whose structure
+        or shapes differ.
+    """
+    if not callable(candidate) or not callable(reference):
+        raise PeatError("check_kernel needs callables: check_kernel(candidate, reference, "
+                        "*example_args)")
+    if not example_args:
+        raise PeatError("check_kernel needs example arguments: check_kernel(candidate, "
+                        "reference, x, ...)")
+    repeats = int(repeats)
+    if repeats < 1:
+        raise PeatError(f"repeats must be >= 1, got {repeats}")
+    if variants is None:
+        names = VARIANTS
+    elif isinstance(variants, str):
+        names = (variants,)
+    else:
+        names = tuple(variants)
+    bad = [v for v in names if v not in VARIANTS]
+    if bad:
+        raise PeatError(f"unknown variants {bad}; variants are {', '.join(VARIANTS)}")
+    if "example" not in names:
+        names = ("example",) + names
+    allow = tuple(allow)
+    options = dict(atol=atol, rtol=rtol, reduction_length=reduction_length,
+                   noise_factor=noise_factor)
+    example_args = _to_jax(tuple(example_args))
+    positions = _float_positions(example_args) if backward else []
+    checks: list[_Check] = []
+    skipped: dict[str, str] = {}
+    key = jax.random.key(seed)
+
+    for vi, name in enumerate(names):
+        args = make_variant(name, example_args, seed + vi)
+        if args is None:
+            skipped[name] = "not applicable to these arguments"
+            continue
+        args = _to_jax(args)
+        if name == "odd_shape":
+            try:
+                gold = reference(*args)
+            except Exception as e:  # noqa: BLE001
+                skipped[name] = f"reference rejects the shapes: {type(e).__name__}"
+                continue
+            try:
+                cand = candidate(*args)
+            except Exception as e:  # noqa: BLE001
+                skipped[name] = f"candidate rejects the shapes: {type(e).__name__}"
+                continue
+        else:
+            gold = _call(reference, args, "reference", name)
+            cand = _call(candidate, args, "candidate", name)
+        if not _same_structure(cand, gold):
+            raise PeatError(f"on the {name!r} inputs the candidate returned "
+                            f"{jax.tree.map(np.shape, cand)}, the reference "
+                            f"{jax.tree.map(np.shape, gold)}")
+        ct = _cotangent(gold, jax.random.fold_in(key, vi))
+        do_bwd = bool(positions) and any(
+            jnp.issubdtype(jnp.result_type(x), jnp.floating)
+            for x in jax.tree_util.tree_leaves(gold))
+        ref64, grads64 = _reference64(reference, args, positions, ct, do_bwd)
+        checks.append(_Check(name, "forward", _diagnose(cand, gold, ref64, allow=allow,
+                                                        options=options)))
+        g_cand = None
+        if do_bwd:
+            try:
+                _, g_gold = _vjp(reference, args, positions, ct)
+            except Exception as e:  # noqa: BLE001
+                raise PeatError(f"the reference is not differentiable ({type(e).__name__}: "
+                                f"{e}); pass backward=False") from e
+            try:
+                _, g_cand = _vjp(candidate, args, positions, ct)
+            except Exception as e:  # noqa: BLE001
+                raise PeatError(f"the candidate is not differentiable ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}); give it a "
+                                "jax.custom_vjp, or pass backward=False") from e
+            for j, i in enumerate(positions):
+                r64 = None if grads64 is None else grads64[j]
+                checks.append(_Check(name, f"grad[{i}]", _diagnose(
+                    g_cand[j], g_gold[j], r64, allow=allow, options=options)))
+        if name == "example" and repeats > 1:
+            for _ in range(repeats - 1):
+                again = _call(candidate, args, "candidate", name)
+                checks.append(_Check(name, "repeat forward", _diagnose(
+                    again, cand, None, allow=allow, options=options, comparison="repeat")))
+                if do_bwd and g_cand is not None:
+                    _, g_again = _vjp(candidate, args, positions, ct)
+                    for j, i in enumerate(positions):
+                        checks.append(_Check(name, f"repeat grad[{i}]", _diagnose(
+                            g_again[j], g_cand[j], None, allow=allow, options=options,
+                            comparison="repeat")))
+
+    worst = max(checks, key=_check_key)
+    d = worst.diagnosis
+    ev = dict(d.evidence)
+    ev["origin"] = {"variant": worst.variant, "output": worst.output}
+    ev["checks"] = [[c.variant, c.output, c.diagnosis.model] for c in checks]
+    if skipped:
+        ev["skipped"] = skipped
+    if not d.passed:
+        failing = sorted({f"{c.output} on {c.variant}" for c in checks
+                          if not c.diagnosis.passed})
+        ev["failing_checks"] = failing
+    where = f" [{worst.output}, {worst.variant} inputs]"
+    n_fail = sum(not c.diagnosis.passed for c in checks)
+    tail = f" ({n_fail} of {len(checks)} checks fail)" if n_fail else \
+        f" ({len(checks)} checks)"
+    return Diagnosis(d.model, d.passed, d.confidence, ev, d.summary + where + tail)

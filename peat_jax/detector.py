@@ -1,0 +1,739 @@
+"""Detector: from a `Signature` to a `Diagnosis` (``peat.detect``).
+
+The error model is decided by an ordered tuple of rules, `RULES`. Each rule states a *sufficient
+condition* over the signature's statistics (its docstring, repeated in ``docs/error_models.md``);
+the first rule whose condition holds names the model. A rule returns the evidence (the numbers its
+condition was decided on), a confidence and a one-line summary.
+
+Passing models: ``exact`` and ``numerical_noise``. Every other model fails, unless the caller
+allows it (``detect(sig, allow=("reduced_precision",))``).
+
+Vocabulary used by the rules (see `peat_jax.analyzer` for the exact definitions):
+*significant* elements are mismatched beyond the noise floor; *isolated* means at most
+``max(1, min(8, 1% of the elements))`` significant elements; *single-bit* means the bit patterns
+differ in exactly one position.
+
+``stuck_at`` (a bit forced to 0 or 1) is not a taxonomy model: it is diagnosed as ``bit_flip``,
+with ``evidence["pattern"] == "stuck_at"`` when many elements differ in the same bit and all now
+hold the same value there (one element: an ordinary ``bit_flip``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional
+
+import ml_dtypes
+import numpy as np
+
+from peat_jax.analyzer import Signature
+from peat_jax.errors import PeatError
+
+__all__ = ["Diagnosis", "MODELS", "PASSING", "RULES", "Rule", "detect", "severity"]
+
+MODELS: tuple[str, ...] = (
+    "exact", "numerical_noise", "reduced_precision", "low_precision_accumulation",
+    "flush_to_zero", "bit_flip", "multi_bit_flip", "random_value", "zeroed",
+    "operand_corruption", "wrong_scale", "sign_flip", "permuted_layout", "tile_boundary",
+    "nan_inf", "nondeterministic", "unknown",
+)
+"""Every model name `detect` can return (DESIGN.md's taxonomy)."""
+
+PASSING: frozenset = frozenset({"exact", "numerical_noise"})
+
+SLOPE_THRESHOLD = 0.2
+"""Error slope separating rounded inputs (error independent of the value, slope ~0) from an
+accumulator kept in a narrow format (error grows with the accumulated value, slope >= 0.2)."""
+
+BIAS_T_THRESHOLD = 6.0
+"""|mean signed error| / its standard error above which dense numerical error counts as biased."""
+
+GRID_TOLERANCE = 0.01
+"""Share of mismatched elements allowed beyond 0.5625 ULP of the candidate's narrow grid for
+"the output is the golden rounded to that grid" (rounding noise of the golden's precision)."""
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+    """The verdict on one signature.
+
+    Attributes:
+      model: a name from `MODELS`.
+      passed: True for ``exact`` / ``numerical_noise`` and for models the caller allowed.
+      confidence: in [0, 1]: how clearly the deciding condition held (each rule states how).
+      evidence: the conditions that held, with their numbers (JSON-able), plus ``"rule"`` (the
+        rule's name) and, from `check_kernel`, ``"origin"`` (which input variant and output).
+      summary: one line for a kernel author, starting with "passes:" or "fails:".
+    """
+
+    model: str
+    passed: bool
+    confidence: float
+    evidence: Mapping[str, Any]
+    summary: str
+
+    def __str__(self) -> str:
+        return self.summary
+
+
+class _Match(NamedTuple):
+    evidence: dict
+    confidence: float
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One sufficient condition: ``test(signature)`` returns a match or None.
+
+    Attributes:
+      name: the rule's name (several rules may name the same model).
+      model: the model it concludes.
+      test: the condition; its docstring states it.
+    """
+
+    name: str
+    model: str
+    test: Callable[[Signature], Optional[_Match]]
+
+    @property
+    def condition(self) -> str:
+        """The sufficient condition in words (the test's docstring, first paragraph)."""
+        return " ".join((self.test.__doc__ or "").strip().split("\n\n")[0].split())
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers over a signature
+# ----------------------------------------------------------------------------------------------
+
+def _n(s: Signature) -> int:
+    return max(s.counts.elements, 1)
+
+
+def _isolated_limit(s: Signature) -> int:
+    return max(1, min(8, int(0.01 * s.counts.elements)))
+
+
+def _fmt_bits(dtype: str) -> tuple[int, int]:
+    """(total bits, mantissa bits)."""
+    return {"float16": (16, 10), "bfloat16": (16, 7), "float32": (32, 23),
+            "float64": (64, 52)}.get(dtype, (32, 23))
+
+
+def _bit_class(bit: int, dtype: str) -> str:
+    bits, nmant = _fmt_bits(dtype)
+    if bit == bits - 1:
+        return "sign"
+    return "exponent" if bit >= nmant else "mantissa"
+
+
+_NP_UINT = {16: np.uint16, 32: np.uint32, 64: np.uint64}
+_NP_FLOAT = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
+             "float64": np.float64}
+
+
+def _fault_bits(w, dtype: str) -> tuple[int, ...]:
+    """The bits a fault flipped in element `w`.
+
+    Without noise (at most 1% of the elements differ within the floor), the differing bits
+    themselves. With noise, the
+    fewest bits (up to T) whose flip turns the candidate back into a value within twice the
+    element's floor of the golden: a flipped value in a kernel with rounding noise differs from
+    the golden in the fault's bits plus noise bits, and carries can spread the noise into
+    higher bits, so the bits are found by value, not by XOR. Falls back to the differing bits at
+    or above the element's noise bits.
+    """
+    if w.noise_bits == 0:
+        return w.differing_bits
+    bits, _ = _fmt_bits(dtype)
+    ut, ft = _NP_UINT[bits], _NP_FLOAT.get(dtype, np.float32)
+    tol = 2.0 * w.floor
+    for k in range(1, _flip_limit(dtype) + 1):
+        combos = list(itertools.combinations(range(bits), k))
+        if len(combos) > 50_000:
+            break
+        masks = np.array([sum(1 << b for b in c) for c in combos], dtype=np.uint64).astype(ut)
+        with np.errstate(invalid="ignore", over="ignore"):
+            back = (ut(w.candidate_bits) ^ masks).view(ft).astype(np.float64)
+            ok = np.isfinite(back) & (np.abs(back - w.golden) <= tol)
+        if ok.any():
+            return combos[int(np.argmax(ok))]
+    return w.fault_bits
+
+
+def _worst_all_listed(s: Signature) -> bool:
+    """True when `worst` lists every significant element (isolated errors)."""
+    return 0 < s.counts.significant <= len(s.worst)
+
+
+def _idx(w) -> str:
+    return "[" + ", ".join(str(i) for i in w.index) + "]" if w.index else "[]"
+
+
+def _g(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def _share(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def _axis_name(axis: int) -> str:
+    return "columns" if axis == -1 else "rows"
+
+
+# ----------------------------------------------------------------------------------------------
+# Rules (ordered). Each docstring's first paragraph is the sufficient condition.
+# ----------------------------------------------------------------------------------------------
+
+def _exact(s: Signature) -> Optional[_Match]:
+    """No element's bit pattern differs (NaN vs NaN counts as equal)."""
+    if s.counts.mismatched:
+        return None
+    what = "bitwise equal to the golden" if s.comparison == "golden" else \
+        "bitwise equal to the earlier run"
+    return _Match({"elements": s.counts.elements}, 1.0, f"{what} ({s.counts.elements} elements)")
+
+
+def _nondeterministic(s: Signature) -> Optional[_Match]:
+    """The comparison is between two runs of the candidate on the same inputs, and at least one
+    element differs beyond the noise floor (or in a non-finite value)."""
+    if s.comparison != "repeat" or s.counts.significant == 0:
+        return None
+    ev = {"significant": s.counts.significant, "mismatched": s.counts.mismatched,
+          "max_floor_ratio": s.errors.max_floor_ratio}
+    w = s.worst[0] if s.worst else None
+    where = f", e.g. at {_idx(w)}: {_g(w.candidate)} vs {_g(w.golden)}" if w else ""
+    return _Match(ev, 1.0, f"{s.counts.significant} of {s.counts.elements} elements change from "
+                           f"run to run beyond the noise floor{where}")
+
+
+def _repeat_noise(s: Signature) -> Optional[_Match]:
+    """The comparison is between two runs of the candidate, they differ, and every difference is
+    within the noise floor (run-to-run rounding differences, e.g. atomics; this passes)."""
+    if s.comparison != "repeat":
+        return None
+    return _Match({"mismatched": s.counts.mismatched,
+                   "max_floor_ratio": s.errors.max_floor_ratio}, 0.8,
+                  f"{s.counts.mismatched} elements differ from run to run, all within the noise "
+                  f"floor (max {_g(s.errors.max_floor_ratio)}x)")
+
+
+def _flush_to_zero(s: Signature) -> Optional[_Match]:
+    """At least one element is a flush (golden subnormal, candidate +-0) and no significant
+    element is anything else (all other differences are within the noise floor)."""
+    c = s.counts
+    if c.flushed == 0 or c.significant_not_flushed > 0 or c.new_nonfinite:
+        return None
+    ev = {"flushed": c.flushed, "subnormal_golden": c.subnormal_golden,
+          "significant_not_flushed": 0}
+    return _Match(ev, min(1.0, 0.5 + 0.5 * c.flushed / max(c.subnormal_golden, 1)),
+                  f"{c.flushed} of {c.subnormal_golden} subnormal golden values are 0 in the "
+                  "candidate; nothing else differs beyond noise")
+
+
+def _numerical_noise(s: Signature) -> Optional[_Match]:
+    """No significant element (every difference within the per-element noise floor), no flush,
+    and, with a float64 reference and >= 500 elements, the candidate's median ULP error is at
+    most 2x the golden's and its 90th percentile at most 4x (F), each + 0.5 ULP."""
+    c = s.counts
+    if c.significant or c.flushed:
+        return None
+    nz = s.noise
+    ev = {"max_floor_ratio": s.errors.max_floor_ratio, "mismatched": c.mismatched,
+          "max_ulp": s.errors.max_ulp, "floor": nz.kind if nz else None}
+    if nz is not None and nz.kind == "float64":
+        if nz.distribution_ok is False:
+            return None
+        ev["candidate_ulp_quantiles"] = dict(nz.candidate_ulp_quantiles)
+        ev["golden_ulp_quantiles"] = dict(nz.golden_ulp_quantiles)
+    conf = max(0.5, min(1.0, 1.5 - s.errors.max_floor_ratio))
+    basis = ("the golden's own error vs float64" if nz and nz.kind == "float64"
+             else f"the {s.dtype} bound")
+    return _Match(ev, conf, f"{c.mismatched} of {c.elements} elements differ, all within the "
+                            f"noise floor (max {_g(s.errors.max_floor_ratio)}x the floor set "
+                            f"by {basis}; max {s.errors.max_ulp} ULP)")
+
+
+def _stuck_pattern(s: Signature) -> Optional[tuple[int, int]]:
+    """(bit, value) when >= 90% of the sampled significant elements differ in exactly one bit
+    (above their noise bits: rounding noise may carry into a few), >= 95% of those
+    in one and the same bit, >= 99% of those holding the same value there, and >= 5% of the
+    golden values already held that value."""
+    b = s.bits
+    if b is None or b.significant_single_bit < 0.9:
+        return None
+    n_single = sum(b.single_bit_histogram)
+    if n_single < 2:
+        return None
+    bit = max(range(len(b.single_bit_histogram)), key=lambda i: b.single_bit_histogram[i])
+    n_bit = b.single_bit_histogram[bit]
+    if n_bit < 0.95 * n_single:
+        return None
+    n_set = b.single_bit_set[bit]
+    if 0.01 * n_bit < n_set < 0.99 * n_bit:
+        return None
+    value = 1 if n_set >= 0.99 * n_bit else 0
+    held = b.golden_bit_set[bit] if value else b.finite - b.golden_bit_set[bit]
+    if b.finite == 0 or held < 0.05 * b.finite:
+        return None
+    return bit, value
+
+
+def _stuck_at(s: Signature) -> Optional[_Match]:
+    """More than an isolated number of significant elements, (sampled) >= 90% of them differing
+    from the golden in exactly one bit (at or above their noise bits: rounding noise in other
+    elements may carry into a few), >= 95% of those in the same bit, >= 99% with the same resulting value there, and
+    that value already held by >= 5% of the golden values (bits that were already right did not
+    change): a bit stuck at 0 or 1, reported as ``bit_flip`` with ``pattern="stuck_at"``."""
+    c = s.counts
+    if c.significant <= _isolated_limit(s) or s.bits is None:
+        return None
+    stuck = _stuck_pattern(s)
+    if stuck is None:
+        return None
+    bit, value = stuck
+    cls = _bit_class(bit, s.dtype)
+    ev = {"pattern": "stuck_at", "bit": bit, "bit_class": cls, "value": value,
+          "elements": c.significant, "share": c.significant / _n(s)}
+    return _Match(ev, 1.0, f"bit {bit} ({cls}) is forced to {value} in {c.significant} of "
+                           f"{c.elements} elements (stuck-at-{value} pattern)")
+
+
+def _bit_flip(s: Signature) -> Optional[_Match]:
+    """Isolated significant elements (all listed), each the golden with exactly one bit flipped:
+    differing in exactly one bit or, when other elements differ within the noise floor, turned
+    back within twice its floor of the golden by flipping one bit."""
+    c = s.counts
+    if c.significant == 0 or s.bits is None:
+        return None
+    if c.significant > _isolated_limit(s) or not _worst_all_listed(s):
+        return None
+    flips = []
+    for w in s.worst:
+        hb = _fault_bits(w, s.dtype)
+        if len(hb) != 1:
+            return None
+        flips.append((w, hb[0]))
+    w, bit = flips[0]
+    cls = _bit_class(bit, s.dtype)
+    ev = {"pattern": "isolated", "elements": [list(x.index) for x, _ in flips],
+          "bits": [b for _, b in flips], "bit": bit, "bit_class": cls,
+          "candidate": w.candidate, "golden": w.golden}
+    more = f" (+{len(flips) - 1} more elements)" if len(flips) > 1 else ""
+    return _Match(ev, 1.0, f"one bit differs at {_idx(w)}: bit {bit} ({cls}), {_g(w.golden)} -> "
+                           f"{_g(w.candidate)}{more}")
+
+
+def _flip_limit(dtype: str) -> int:
+    """Most differing bits a multi-bit flip may have (T): more is indistinguishable from a
+    random value."""
+    return {16: 3, 32: 4, 64: 6}.get(_fmt_bits(dtype)[0], 4)
+
+
+def _canonical_nonfinite(w, dtype: str) -> bool:
+    """An infinity, or a NaN whose mantissa is only the quiet bit (what arithmetic produces),
+    as opposed to a NaN keeping the golden's mantissa bits (an exponent bit flip)."""
+    bits, nmant = _fmt_bits(dtype)
+    mant = w.candidate_bits & ((1 << nmant) - 1)
+    return mant in (0, 1 << (nmant - 1))
+
+
+def _nan_inf(s: Signature) -> Optional[_Match]:
+    """The candidate is NaN or +-inf at >= 1 element where the golden is finite, unless every
+    significant element is isolated and differs from the golden in at most T bits with a
+    non-canonical NaN (an exponent bit flip that produced a NaN: left to the bit-flip rules)."""
+    c = s.counts
+    if c.new_nonfinite == 0:
+        return None
+    if (c.significant <= _isolated_limit(s) and _worst_all_listed(s) and all(
+            len(_fault_bits(w, s.dtype)) <= _flip_limit(s.dtype) and not (
+                math.isnan(w.candidate) and _canonical_nonfinite(w, s.dtype)) and not (
+                math.isinf(w.candidate) and len(_fault_bits(w, s.dtype)) > 1)
+            for w in s.worst)):
+        return None
+    w = next((x for x in s.worst if not math.isfinite(x.candidate)), None)
+    at = f", first at {_idx(w)} ({_g(w.candidate)} where the golden is {_g(w.golden)})" if w else ""
+    ev = {"new_nonfinite": c.new_nonfinite, "nonfinite_golden": c.nonfinite_golden,
+          "elements": [list(x.index) for x in s.worst if not math.isfinite(x.candidate)]}
+    return _Match(ev, 1.0, f"{c.new_nonfinite} non-finite values where the golden is "
+                           f"finite{at}")
+
+
+def _multi_bit_flip(s: Signature) -> Optional[_Match]:
+    """Isolated significant elements (all listed), each the golden with 2..T bits flipped (found
+    as for bit_flip; T = 3 for 16-bit, 4 for 32-bit, 6 for 64-bit dtypes; a value differing in
+    more bits is indistinguishable from a random value)."""
+    c = s.counts
+    if c.significant == 0 or c.significant > _isolated_limit(s) or not _worst_all_listed(s):
+        return None
+    limit = _flip_limit(s.dtype)
+    per = [_fault_bits(w, s.dtype) for w in s.worst]
+    if not all(2 <= len(h) <= limit for h in per):
+        return None
+    w = s.worst[0]
+    classes = sorted({_bit_class(b, s.dtype) for b in per[0]})
+    ev = {"elements": [list(x.index) for x in s.worst], "bits": [list(h) for h in per],
+          "classes": classes}
+    return _Match(ev, 0.9, f"{len(per[0])} bits differ at {_idx(w)}: bits "
+                           f"{', '.join(map(str, per[0]))} ({'/'.join(classes)}), "
+                           f"{_g(w.golden)} -> {_g(w.candidate)}")
+
+
+def _permuted_layout(s: Signature) -> Optional[_Match]:
+    """>= 2 significant elements and either (a) the candidate equals the golden with its last two
+    axes swapped (within the floor), or (b) the sorted candidate equals the sorted golden within
+    the floor, the sorted arrays differ bitwise in at most as many positions as elements are
+    mismatched, and >= 90% of the significant elements are off by >= 1/16 relative (values
+    moved, not perturbed)."""
+    c, p = s.counts, s.permutation
+    if p is None or c.significant < 2:
+        return None
+    if p.is_transpose:
+        ev = {"transpose": True, "significant": c.significant}
+        return _Match(ev, 1.0, f"the output is the golden transposed (last two axes swapped; "
+                               f"{c.significant} elements out of place)")
+    if not p.is_permutation or p.sorted_differ is None or p.sorted_differ > c.mismatched:
+        return None
+    if s.errors.large_rel_significant < 0.9:
+        return None
+    ev = {"permutation": True, "sorted_differ": p.sorted_differ, "significant": c.significant}
+    st = s.structure
+    where = ""
+    if st is not None:
+        if st.span.get(-2, (-1, -1))[0] >= 0 and st.cols_with_errors == st.n_cols:
+            a, b = st.span[-2]
+            where = f"; rows {a}..{b} hold moved values"
+        if st.period.get(-2):
+            where += f", pattern repeats every {st.period[-2]} rows"
+            ev["period_rows"] = st.period[-2]
+    exact = " (exactly the same values)" if p.sorted_differ == 0 else ""
+    return _Match(ev, 1.0 if p.sorted_differ == 0 else 0.8,
+                  f"same values in the wrong places{exact}: {c.significant} elements "
+                  f"moved{where}")
+
+
+def _tile_boundary(s: Signature) -> Optional[_Match]:
+    """Along axis -1 or -2 and for a block size in (8, 16, 32, 64, 128): >= 95% of the
+    significant errors lie in that block pattern's indices (block edges, or the last (partial)
+    block) and >= 50% of the pattern's elements are significant, the pattern being a strict
+    part of the axis."""
+    st = s.structure
+    if st is None or s.counts.significant == 0:
+        return None
+    best = None
+    for m in st.blocks:
+        if m.precision >= 0.95 and m.recall >= 0.5:
+            key = (m.recall * m.precision, m.block)
+            if best is None or key > best[0]:
+                best = (key, m)
+    if best is None:
+        return None
+    m = best[1]
+    ax = _axis_name(m.axis)
+    ev = {"axis": m.axis, "block": m.block, "pattern": m.pattern, "precision": m.precision,
+          "recall": m.recall}
+    if m.pattern == "last_block":
+        lo, hi = m.start, m.stop - 1
+        partial = (m.stop % m.block) != 0
+        ev.update(start=lo, stop=hi)
+        what = (f"last partial block of {m.block}" if partial
+                else f"last block of {m.block}")
+        detail = (f"errors only in {ax} {lo}..{hi} = {what} (axis {m.axis} has {m.stop} "
+                  f"{ax})")
+    else:
+        detail = (f"errors on the edges of blocks of {m.block} along {ax} (first/last index of "
+                  f"each block; {_share(m.recall)} of edge elements wrong)")
+    others = sorted({x.block for x in st.blocks if x.pattern == m.pattern and x.axis == m.axis
+                     and x.precision >= 0.95 and x.recall >= 0.5 and x.block != m.block})
+    if others:
+        ev["also_fits_blocks"] = others
+    return _Match(ev, min(1.0, m.precision * (0.5 + 0.5 * m.recall)), detail)
+
+
+def _operand_corruption(s: Signature) -> Optional[_Match]:
+    """Significant errors fill 1 or 2 whole rows (>= 90% of each row, over the flattened leading
+    axes) or 1 or 2 whole columns, those hold >= 95% of the significant errors, slices are >= 2
+    long, and the leaf has more rows (columns) than that."""
+    st = s.structure
+    if st is None or s.counts.significant == 0:
+        return None
+    for kind, n_full, share, idx, total in (
+            ("row", st.n_full_rows, st.in_full_rows, st.full_rows, st.n_rows),
+            ("column", st.n_full_cols, st.in_full_cols, st.full_cols, st.n_cols)):
+        length = st.n_cols if kind == "row" else st.n_rows
+        if 1 <= n_full <= 2 and share >= 0.95 and length >= 2 and total > n_full:
+            ev = {"axis": kind, "indices": list(idx), "share": share}
+            hint = ("a bad input row (lhs row)" if kind == "row"
+                    else "a bad weight column (rhs column)")
+            names = ", ".join(map(str, idx))
+            return _Match(ev, share, f"whole {kind}{'s' if n_full > 1 else ''} {names} wrong "
+                                     f"({_share(share)} of the errors): {hint}")
+    return None
+
+
+def _sign_flip(s: Signature) -> Optional[_Match]:
+    """>= 2 significant elements and either >= 99% of the sampled significant elements are the
+    golden negated (differing only in the sign bit, or, when other elements differ within
+    noise, of opposite sign with |c + g| within the floor), or the ratio candidate/golden is
+    constant and -1 within the noise tolerance (the whole output negated)."""
+    b, r = s.bits, s.ratio
+    if b is None or s.counts.significant < 2:
+        return None
+    minus_one = (r is not None and r.constant and abs(r.median + 1.0) <= r.tolerance)
+    if b.negated < 0.99 and not minus_one:
+        return None
+    ev = {"negated_share": b.negated, "significant": s.counts.significant,
+          "share_of_elements": s.counts.significant / _n(s), "ratio_minus_one": minus_one}
+    allv = s.counts.significant >= 0.99 * (s.counts.elements - 0)
+    what = "the whole output is negated" if allv else \
+        f"{s.counts.significant} of {s.counts.elements} elements are negated"
+    return _Match(ev, max(b.negated, 0.9 if minus_one else 0.0), what)
+
+
+def _zeroed(s: Signature) -> Optional[_Match]:
+    """>= 99% of the sampled significant elements are +-0 in the candidate (and non-zero in the
+    golden, since they differ)."""
+    b = s.bits
+    if b is None or s.counts.significant == 0 or b.candidate_zero < 0.99:
+        return None
+    ev = {"zero_share": b.candidate_zero, "significant": s.counts.significant,
+          "share_of_elements": s.counts.significant / _n(s)}
+    what = ("the candidate is all zeros" if s.counts.significant >= 0.99 * s.counts.elements
+            else f"{s.counts.significant} of {s.counts.elements} elements are 0 in the "
+                 "candidate")
+    return _Match(ev, b.candidate_zero, what)
+
+
+def _wrong_scale(s: Signature) -> Optional[_Match]:
+    """Either the ratio candidate/golden over the golden values with |g| >= rms(g) is constant
+    (spread within the noise tolerance) and differs from 1 by more than the tolerance; or >= 90%
+    of the rows holding significant errors have their own constant ratio != 1 (a per-row
+    scale)."""
+    r = s.ratio
+    if r is None or s.counts.significant == 0:
+        return None
+    if r.constant and abs(r.median - 1.0) > r.tolerance:
+        ev = {"ratio": r.median, "spread": r.spread, "tolerance": r.tolerance, "n": r.n}
+        return _Match(ev, 1.0 if r.spread <= 0.5 * r.tolerance else 0.8,
+                      f"the output is {_g(r.median)}x the golden (constant ratio, spread "
+                      f"{_g(r.spread)})")
+    if r.rows_constant >= 0.9:
+        ev = {"rows_constant": r.rows_constant, "tolerance": r.tolerance}
+        return _Match(ev, r.rows_constant, f"each row is the golden times its own constant "
+                                           f"({_share(r.rows_constant)} of the wrong rows)")
+    return None
+
+
+def _dense_numerical(s: Signature) -> bool:
+    """Dense small errors: >= 50% of the elements mismatched, median relative error of the
+    mismatched elements <= 1/8 (effective mantissa bits >= 1), no new non-finite value, and
+    the degradation is distributional: the float64 distribution test fails, or >= 10% of the
+    elements are significant."""
+    p, c = s.precision, s.counts
+    if p is None or p.effective_mantissa_bits is None or p.effective_mantissa_bits < 1.0:
+        return False
+    if c.new_nonfinite:
+        return False
+    dist_fail = s.noise is not None and s.noise.distribution_ok is False
+    return dist_fail or c.significant >= 0.1 * c.elements
+
+
+def _reduced_precision(s: Signature) -> Optional[_Match]:
+    """Dense small errors (>= 50% of the elements mismatched, median relative error <= 1/8, no
+    new non-finite value, and either the float64 distribution test fails or >= 10% of the
+    elements are significant) and either (a) the candidate's values use >= 2 fewer mantissa
+    bits than the golden's and each is the golden rounded to that grid (<= 1% of the mismatched
+    elements more than 0.5625 ULP of the grid away: output rounded), or (b) the values use the full grid, the error slope is < 0.2 (error
+    independent of the value: inputs or products rounded) and |bias t| < 6."""
+    if not _dense_numerical(s):
+        return None
+    p, e = s.precision, s.errors
+    _, nmant = _fmt_bits(s.dtype)
+    if p.on_narrow_grid:
+        if p.beyond_half_ulp_on_grid > GRID_TOLERANCE:
+            return None
+        ev = {"where": "output", "effective_mantissa_bits": p.candidate_grid_bits,
+              "max_ulp_on_grid": p.max_ulp_on_grid, "golden_grid_bits": p.golden_grid_bits,
+              "beyond_half_ulp_on_grid": p.beyond_half_ulp_on_grid}
+        return _Match(ev, 1.0, f"output rounded to {p.candidate_grid_bits} mantissa bits "
+                               f"({s.dtype} has {nmant}): every value is the golden rounded "
+                               "to that grid")
+    if not (e.error_slope < SLOPE_THRESHOLD) or abs(e.bias_t) >= BIAS_T_THRESHOLD:
+        return None
+    bits = p.effective_mantissa_bits
+    ev = {"where": "inputs", "effective_mantissa_bits": round(bits, 1),
+          "error_slope": e.error_slope, "bias_t": e.bias_t,
+          "median_rel_error": 2.0 ** -(bits + 2)}
+    conf = max(0.5, min(1.0, 0.5 + (SLOPE_THRESHOLD - e.error_slope) / (2 * SLOPE_THRESHOLD)))
+    return _Match(ev, conf, f"about {bits:.0f} effective mantissa bits ({s.dtype} has {nmant}): "
+                            "inputs or products rounded to a narrower format (error "
+                            f"independent of the value, slope {_g(e.error_slope)})")
+
+
+def _low_precision_accumulation(s: Signature) -> Optional[_Match]:
+    """Dense small errors (as for reduced_precision) and either (a) the candidate's values use
+    >= 2 fewer mantissa bits than the golden's but > 1% of the mismatched elements are more than
+    0.5625 ULP of that grid away from the golden (several roundings in the narrow format), or (b) the error slope is >= 0.2 (error
+    grows with the accumulated value), or (c) the error is biased (|t| >= 6)."""
+    if not _dense_numerical(s):
+        return None
+    p, e = s.precision, s.errors
+    _, nmant = _fmt_bits(s.dtype)
+    ev = {"effective_mantissa_bits": round(p.effective_mantissa_bits, 1),
+          "error_slope": e.error_slope, "bias_t": e.bias_t,
+          "candidate_grid_bits": p.candidate_grid_bits}
+    if p.on_narrow_grid:
+        ev["max_ulp_on_grid"] = p.max_ulp_on_grid
+        ev["beyond_half_ulp_on_grid"] = p.beyond_half_ulp_on_grid
+        return _Match(ev, 1.0, f"accumulated in a {p.candidate_grid_bits}-mantissa-bit format "
+                               f"(values on that grid, up to {_g(p.max_ulp_on_grid)} of its ULPs "
+                               "off: rounded at every step)")
+    if e.error_slope >= SLOPE_THRESHOLD or abs(e.bias_t) >= BIAS_T_THRESHOLD:
+        why = (f"error grows with the value (slope {_g(e.error_slope)})"
+               if e.error_slope >= SLOPE_THRESHOLD else f"biased error (t = {_g(e.bias_t)})")
+        conf = max(0.5, min(1.0, 0.5 + abs(e.error_slope - SLOPE_THRESHOLD) / 0.6))
+        return _Match(ev, conf, f"about {p.effective_mantissa_bits:.0f} effective mantissa bits "
+                                f"({s.dtype} has {nmant}), {why}: a narrow accumulator")
+    return None
+
+
+def _random_value(s: Signature) -> Optional[_Match]:
+    """>= 50% of the significant elements are off by >= 1/16 relative (or non-finite), with no
+    structure found by the rules above (values replaced, not rounded)."""
+    c = s.counts
+    if c.significant == 0 or s.errors.large_rel_significant < 0.5:
+        return None
+    ev = {"significant": c.significant, "share_of_elements": c.significant / _n(s),
+          "large_error_share": s.errors.large_rel_significant}
+    w = s.worst[0] if s.worst else None
+    ex = f", e.g. {_idx(w)}: {_g(w.golden)} -> {_g(w.candidate)}" if w else ""
+    return _Match(ev, s.errors.large_rel_significant,
+                  f"{c.significant} of {c.elements} elements hold unrelated values{ex}")
+
+
+def _unknown(s: Signature) -> Optional[_Match]:
+    """Anything else (fails: no model fits)."""
+    c = s.counts
+    ev = {"significant": c.significant, "mismatched": c.mismatched,
+          "max_floor_ratio": s.errors.max_floor_ratio}
+    if c.significant == 0 and s.noise is not None and s.noise.distribution_ok is False:
+        ev["candidate_ulp_quantiles"] = dict(s.noise.candidate_ulp_quantiles)
+        ev["golden_ulp_quantiles"] = dict(s.noise.golden_ulp_quantiles)
+        return _Match(ev, 0.5, "error distribution worse than the golden's (median/90th "
+                               "percentile ULP error) but no element beyond the floor")
+    return _Match(ev, 0.5, f"{c.significant} of {c.elements} elements beyond the noise floor "
+                           f"(max {_g(s.errors.max_floor_ratio)}x), no model fits")
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("exact", "exact", _exact),
+    Rule("nondeterministic", "nondeterministic", _nondeterministic),
+    Rule("repeat_noise", "numerical_noise", _repeat_noise),
+    Rule("flush_to_zero", "flush_to_zero", _flush_to_zero),
+    Rule("numerical_noise", "numerical_noise", _numerical_noise),
+    Rule("stuck_at", "bit_flip", _stuck_at),
+    Rule("nan_inf", "nan_inf", _nan_inf),
+    Rule("permuted_layout", "permuted_layout", _permuted_layout),
+    Rule("tile_boundary", "tile_boundary", _tile_boundary),
+    Rule("operand_corruption", "operand_corruption", _operand_corruption),
+    Rule("sign_flip", "sign_flip", _sign_flip),
+    Rule("zeroed", "zeroed", _zeroed),
+    Rule("wrong_scale", "wrong_scale", _wrong_scale),
+    Rule("reduced_precision", "reduced_precision", _reduced_precision),
+    Rule("low_precision_accumulation", "low_precision_accumulation", _low_precision_accumulation),
+    Rule("bit_flip", "bit_flip", _bit_flip),
+    Rule("multi_bit_flip", "multi_bit_flip", _multi_bit_flip),
+    Rule("random_value", "random_value", _random_value),
+    Rule("unknown", "unknown", _unknown),
+)
+"""The ordered sufficient conditions; the first that holds decides the model."""
+
+_SEVERITY = {
+    "exact": 0, "numerical_noise": 1, "flush_to_zero": 4, "reduced_precision": 5,
+    "low_precision_accumulation": 5, "nondeterministic": 7, "nan_inf": 9,
+}
+
+
+def severity(d: Diagnosis) -> tuple:
+    """Sort key of diagnoses, worst last: failing before passing, then by model class (nan_inf
+    worst; precision models milder than faults and bugs), then by the evidence's floor ratio."""
+    rank = _SEVERITY.get(d.model, 8)
+    ratio = d.evidence.get("max_floor_ratio", 0.0)
+    try:
+        ratio = float(ratio)
+    except (TypeError, ValueError):
+        ratio = 0.0
+    return (not d.passed, rank, ratio if math.isfinite(ratio) else 1e300)
+
+
+def detect(signature: Signature, *, allow: Iterable[str] = ()) -> Diagnosis:
+    """The error model of a signature: the first rule of `RULES` whose condition holds.
+
+    Args:
+      signature: from `peat.analyze`. For a pytree signature every leaf is diagnosed and the
+        worst diagnosis is returned (its evidence names the leaf).
+      allow: models that count as passing (e.g. ``("reduced_precision",)`` for a kernel that
+        computes in TF32 on purpose).
+
+    Returns:
+      A `Diagnosis`.
+    """
+    allow = frozenset(allow)
+    unknown = sorted(allow - set(MODELS))
+    if unknown:
+        raise PeatError(f"allow names unknown models {unknown}; models are {', '.join(MODELS)}")
+    if not isinstance(signature, Signature):
+        raise PeatError(f"detect needs a peat.Signature (from peat.analyze), got "
+                        f"{type(signature).__name__}")
+    if signature.leaves:
+        diags = [_detect_leaf(leaf, allow) for leaf in signature.leaves]
+        return max(diags, key=severity)
+    return _detect_leaf(signature, allow)
+
+
+def _detect_leaf(s: Signature, allow: frozenset) -> Diagnosis:
+    for rule in RULES:
+        if s.bits is None and rule.name not in ("exact", "nondeterministic", "unknown"):
+            continue     # integer / bool leaves: exact or not
+        m = rule.test(s)
+        if m is None:
+            continue
+        model = rule.model
+        passed = model in PASSING or model in allow
+        ev = dict(m.evidence)
+        ev["rule"] = rule.name
+        ev.setdefault("max_floor_ratio", s.errors.max_floor_ratio)
+        if s.path:
+            ev["leaf"] = s.path
+        if model in allow and model not in PASSING:
+            ev["allowed"] = True
+        verdict = "passes" if passed else "fails"
+        leaf = f" [{s.path}]" if s.path else ""
+        allowed = " (allowed)" if ev.get("allowed") else ""
+        summary = f"{verdict}: {model}{allowed}{leaf}, {m.detail}"
+        return Diagnosis(model, passed, float(round(m.confidence, 3)), _plain(ev), summary)
+    raise AssertionError("the unknown rule always matches")  # pragma: no cover
+
+
+def _plain(x):
+    """Evidence as JSON-able Python values."""
+    if isinstance(x, Mapping):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return x
+    if isinstance(x, int):
+        return int(x)
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return v

@@ -1,0 +1,221 @@
+"""peat.analyze: exact bit-level statistics, noise floors, structure, pytrees, JSON."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from peat_jax import analyzer as A
+from peat_jax.analyzer import Signature, analyze
+from peat_jax.errors import PeatError
+
+TINY32 = np.float32(np.finfo(np.float32).smallest_subnormal)
+SHAPE = (16, 32)   # most tests share one shape: one compile of the analysis
+
+
+def _normal(seed: int, shape=SHAPE, dtype=np.float32, shift: float = 0.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) + shift).astype(dtype)
+
+
+def _f32(values) -> np.ndarray:
+    return np.asarray(values, np.float32)
+
+
+def _bits32(x) -> np.ndarray:
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+def _ulp_np(c: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """Reference ULP distance in NumPy: bits to the monotonic line (-x -> -magnitude bits)."""
+    def mono(x):
+        u = x.view({2: np.uint16, 4: np.uint32}[x.itemsize]).astype(np.int64)
+        sign = 1 << (8 * x.itemsize - 1)
+        return np.where(u & sign, -(u & (sign - 1)), u)
+    return np.abs(mono(c) - mono(g))
+
+
+def _flip(x: np.ndarray, flat_index: int, bit: int) -> np.ndarray:
+    """x with one bit of one element flipped (NumPy, any float dtype)."""
+    y = np.array(x, copy=True)
+    u = y.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[y.dtype.itemsize]).reshape(-1)
+    u[flat_index] ^= u.dtype.type(1 << bit)
+    return y
+
+
+def test_identical_arrays_are_exact():
+    g = _normal(0)
+    s = analyze(g, g)
+    assert isinstance(s, Signature)
+    assert s.counts.mismatched == 0 and s.counts.significant == 0
+    assert s.errors.max_ulp == 0 and s.errors.ulp_histogram[0] == g.size
+    assert s.noise.kind == "dtype_bound"
+
+
+def test_ulp_distance_is_exact_across_zero_and_subnormals():
+    # golden, candidate, expected ULP distance (integer line: -x maps to -bits(x)).
+    g = _f32([0.0, TINY32, TINY32, 1.0, -TINY32, 0.0, np.finfo(np.float32).max, 1.0])
+    c = _f32([TINY32, 2 * TINY32, -TINY32, np.nextafter(np.float32(1), np.float32(2)),
+              TINY32, -0.0, np.inf, 2.0])
+    want = [1, 1, 2, 1, 2, 0, 1, 1 << 23]
+    for i, w in enumerate(want):
+        s = analyze(c[i:i + 1], g[i:i + 1])
+        assert s.errors.max_ulp == w, (i, s.errors.max_ulp)
+        assert s.counts.mismatched == 1          # +0 vs -0 mismatches although 0 ULP apart
+    s = analyze(c, g)
+    hist = s.errors.ulp_histogram
+    assert hist[0] == 1 and hist[1] == 4 and hist[2] == 2 and hist[24] == 1
+
+
+def test_subnormals_are_seen_by_integer_bit_tests():
+    """On XLA:CPU a jitted float compare treats subnormals as 0; the analyzer must not."""
+    g = _f32([TINY32 * 5, 3e-39, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    c = _f32([TINY32 * 6, 3e-39, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    s = analyze(c, g)
+    assert s.counts.mismatched == 1 and s.errors.max_ulp == 1
+    assert s.counts.subnormal_golden == 2
+    flushed = _f32([0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    s = analyze(flushed, g)
+    assert s.counts.flushed == 2 and s.counts.significant_not_flushed == 0
+
+
+@pytest.mark.parametrize("dtype,bit,klass", [(np.float32, 27, "exponent"),
+                                              (np.float32, 3, "mantissa"),
+                                              (ml_dtypes.bfloat16, 11, "exponent"),
+                                              (np.float16, 15, "sign")])
+def test_single_flip_found_at_the_right_element_and_bit(dtype, bit, klass):
+    g = _normal(1, dtype=dtype, shift=3.0)
+    c = _flip(g, 39, bit)
+    s = analyze(c, g)
+    assert s.counts.mismatched == 1
+    assert s.bits.histogram[bit] == 1 and sum(s.bits.histogram) == 1
+    assert s.bits.popcount_histogram[1] == 1
+    assert getattr(s.bits, klass) == 1
+    if s.counts.significant:
+        assert s.worst[0].index == (1, 7) and s.worst[0].differing_bits == (bit,)
+    assert s.errors.max_ulp == _ulp_np(c, g).max()
+
+
+def test_float64_noise_floor_passes_reduction_order_and_flags_bf16_inputs():
+    a = jax.random.normal(jax.random.key(0), (16, 200))
+    b = jax.random.normal(jax.random.key(1), (200, 32))
+    g = a @ b
+    other = sum(a[:, i:i + 8] @ b[i:i + 8] for i in range(0, 200, 8))   # another order
+    with jax.enable_x64(True):
+        r = np.asarray(np.asarray(a, np.float64) @ np.asarray(b, np.float64))
+    s = analyze(other, g, r)
+    assert s.noise.kind == "float64" and s.counts.mismatched > 0
+    assert s.counts.significant == 0 and s.noise.distribution_ok
+    assert s.noise.golden_max_abs_error > 0 and s.noise.golden_max_ulp_error > 0
+    bf = (a.astype(jnp.bfloat16).astype(jnp.float32) @ b.astype(jnp.bfloat16).astype(
+        jnp.float32))
+    s = analyze(bf, g, r)
+    assert s.counts.significant > 0.5 * s.counts.elements
+    assert 5 <= s.precision.effective_mantissa_bits <= 10
+
+
+def test_scale_invariance_near_zero_outputs():
+    """A correct candidate passes and a zero candidate fails, whatever the magnitude."""
+    rng = np.random.default_rng(2)
+    g = rng.standard_normal((16, 32)).astype(np.float32)
+    noisy = (g.view(np.uint32) + rng.integers(0, 2, g.shape).astype(np.uint32)).view(
+        np.float32)                                   # 0 or 1 ULP off
+    for scale in (1.0, 2.0 ** -100, 2.0 ** 60):
+        gs, cs = (g * np.float32(scale)), (noisy * np.float32(scale))
+        assert analyze(cs, gs).counts.significant == 0, scale
+        z = analyze(np.zeros_like(gs), gs)
+        assert z.counts.significant == gs.size and z.bits.candidate_zero == 1.0, scale
+
+
+def test_structure_last_partial_block_rows():
+    g = np.random.default_rng(3).standard_normal((100, 24)).astype(np.float32)
+    c = g.copy()
+    c[96:] += 10.0
+    s = analyze(c, g)
+    st = s.structure
+    assert st.span[-2] == (96, 99) and st.rows_with_errors == 4 and st.n_full_rows == 4
+    match = [m for m in st.blocks if m.axis == -2 and m.pattern == "last_block"]
+    assert match and match[0].block == 32 and match[0].precision == 1.0
+    assert match[0].recall == 1.0 and (match[0].start, match[0].stop) == (96, 100)
+
+
+def test_structure_edges_and_period():
+    g = _normal(4)
+    c = g.copy()
+    j = np.arange(SHAPE[1])
+    edges = (j % 8 == 0) | (j % 8 == 7)
+    c[:, edges] = 7.0
+    st = analyze(c, g).structure
+    assert st.period[-1] == 8
+    best = [m for m in st.blocks if m.axis == -1 and m.pattern == "edges"][0]
+    assert best.block == 8 and best.precision == 1.0 and best.recall == 1.0
+
+
+def test_ratio_permutation_and_transpose():
+    g = _normal(5)
+    s = analyze(g * np.float32(2), g)
+    assert s.ratio.constant and s.ratio.median == 2.0
+    g = _normal(5, shape=(16, 16))
+    s = analyze(g.T.copy(), g)
+    assert s.permutation.is_transpose and s.permutation.is_permutation
+    assert s.permutation.sorted_differ == 0
+    swapped = np.concatenate([g[8:], g[:8]])
+    s = analyze(swapped, g)
+    assert s.permutation.is_permutation and not s.permutation.is_transpose
+
+
+def test_large_leaf_is_sampled_but_counts_are_exact():
+    g = np.random.default_rng(6).standard_normal((300, 400)).astype(np.float32)  # 120k > 16k
+    c = _flip(_flip(_flip(g, 5, 30), 60_001, 29), 119_999, 28)
+    s = analyze(c, g)
+    assert s.errors.sampled and s.errors.sample_size == A.DEFAULT_SAMPLE_SIZE
+    assert s.counts.mismatched == 3 and s.counts.significant == 3
+    assert sorted(w.index for w in s.worst) == [(0, 5), (150, 1), (299, 399)]
+
+
+def test_pytree_worst_leaf_and_json():
+    g = {"a": np.ones(SHAPE, np.float32), "b": np.arange(1, 9, dtype=np.float32),
+         "n": np.arange(3)}
+    c = {"a": np.ones(SHAPE, np.float32), "b": np.arange(1, 9, dtype=np.float32) * 3,
+         "n": np.arange(3)}
+    s = analyze(c, g)
+    assert len(s.leaves) == 3 and s.path == "['b']"
+    assert [leaf.path for leaf in s.leaves] == ["['a']", "['b']", "['n']"]
+    assert s.leaves[2].bits is None and s.leaves[2].counts.mismatched == 0
+    d = s.to_dict()
+    text = json.dumps(d, allow_nan=False)
+    assert json.loads(text)["leaves"][1]["ratio"]["median"] == 3.0
+    inf = analyze(_f32([np.inf] + [1.0] * 7), _f32([1.0] * 8)).to_dict()
+    json.dumps(inf, allow_nan=False)
+
+
+def test_one_compile_per_shape_and_dtype():
+    g = _normal(7)
+    before = A._leaf_stats._cache_size()
+    for k in range(3):
+        analyze(g + np.float32(k), g)
+    assert A._leaf_stats._cache_size() <= before + 1
+
+
+def test_errors_name_the_problem():
+    g = np.zeros((3, 4), np.float32)
+    with pytest.raises(PeatError, match="shape"):
+        analyze(np.zeros((4, 3), np.float32), g)
+    with pytest.raises(PeatError, match="dtype"):
+        analyze(g.astype(np.float16), g)
+    with pytest.raises(PeatError, match="structures"):
+        analyze({"a": g}, {"b": g})
+    with pytest.raises(PeatError, match="supports"):
+        analyze(g.astype(ml_dtypes.float8_e4m3fn), g.astype(ml_dtypes.float8_e4m3fn))
+    with pytest.raises(PeatError, match="reduction_length"):
+        analyze(g, g, reduction_length=0)
+
+
+def test_dtype_bound_is_documented_formula():
+    a, coef = A.dtype_noise_bound(jnp.bfloat16, reduction_length=256)
+    assert a == 1.0 and coef == pytest.approx(4 * 2.0 ** -23 * 16)
+    a, coef = A.dtype_noise_bound(jnp.float32, reduction_length=1)
+    assert a == 4.0 and coef == pytest.approx(4 * 2.0 ** -23)

@@ -1,0 +1,164 @@
+"""peat.check_kernel, peat.testing.assert_kernel_matches and the peat_check pytest fixture."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from peat_jax.check import VARIANTS, check_kernel, make_variant
+from peat_jax.errors import PeatError
+from peat_jax.pytest_plugin import PeatCheck
+from peat_jax.testing import assert_kernel_matches
+
+# Square operands: the output and both gradients share one shape (one compile of the analysis).
+A = jax.random.normal(jax.random.key(0), (24, 24))
+B = jax.random.normal(jax.random.key(1), (24, 24))
+
+
+def ref(a, b):
+    return a @ b
+
+
+def blocked(a, b):
+    """A correct matmul in another summation order."""
+    return sum(a[:, i:i + 8] @ b[i:i + 8] for i in range(0, a.shape[1], 8))
+
+
+@jax.custom_vjp
+def wrong_bwd(a, b):
+    return a @ b
+
+
+def _fwd(a, b):
+    return a @ b, (a, b)
+
+
+def _bwd(res, g):
+    a, b = res
+    return g @ b.T, (a.T @ g) * 1.5      # the rhs gradient is 1.5x too large
+
+
+wrong_bwd.defvjp(_fwd, _bwd)
+
+
+def test_exact_forward_with_wrong_backward_is_caught():
+    d = check_kernel(wrong_bwd, ref, A, B, variants=("example",))
+    assert not d.passed and d.model == "wrong_scale"
+    assert d.evidence["origin"] == {"variant": "example", "output": "grad[1]"}
+    checks = {(v, o): m for v, o, m in d.evidence["checks"]}
+    assert checks[("example", "forward")] == "exact"
+    assert checks[("example", "grad[0]")] in ("exact", "numerical_noise")
+    assert "grad[1]" in d.summary and "1.5x" in d.summary
+
+
+def test_correct_kernel_passes_on_every_variant():
+    d = check_kernel(blocked, ref, A, B)
+    assert d.passed and d.model in ("exact", "numerical_noise"), d.summary
+    variants = {v for v, _, _ in d.evidence["checks"]}
+    assert variants == set(VARIANTS)
+
+
+def test_not_fooled_by_near_zero_outputs_or_zeros():
+    zeros = lambda a, b: jnp.zeros((a.shape[0], b.shape[1]), a.dtype)   # noqa: E731
+    tiny = (A * 1e-15, B * 1e-15)                      # outputs ~1e-30: any atol passes zeros
+    d = check_kernel(zeros, ref, *tiny, variants=("example",), backward=False)
+    assert d.model == "zeroed" and not d.passed
+    d = check_kernel(blocked, ref, *tiny, variants=("example", "tiny"))
+    assert d.passed, d.summary
+
+
+def test_nondeterministic_candidate():
+    rng = np.random.default_rng(0)
+
+    def flaky(a, b):            # run-to-run differences far beyond rounding
+        out = np.asarray(a @ b)
+        out = out + rng.integers(0, 2, out.shape) * np.float32(1e-2) * np.abs(out)
+        return jnp.asarray(out)
+
+    d = check_kernel(flaky, ref, A, B, variants=("example",), backward=False, repeats=3)
+    assert d.model == "nondeterministic", d.summary
+    assert d.evidence["origin"]["output"] == "repeat forward"
+
+
+def test_allow_reduced_precision():
+    def bf16_inputs(a, b):
+        return a.astype(jnp.bfloat16).astype(a.dtype) @ b.astype(jnp.bfloat16).astype(b.dtype)
+
+    d = check_kernel(bf16_inputs, ref, A, B, variants=("example",), backward=False)
+    assert d.model == "reduced_precision" and not d.passed
+    assert 5 <= d.evidence["effective_mantissa_bits"] <= 10
+    d = check_kernel(bf16_inputs, ref, A, B, variants=("example",), backward=False,
+                     allow=("reduced_precision",))
+    assert d.passed and d.evidence["allowed"]
+
+
+def test_odd_shapes_are_skipped_when_the_candidate_rejects_them():
+    def fixed(a, b):
+        if a.shape != (24, 24):
+            raise ValueError("only 24x24")
+        return blocked(a, b)
+
+    d = check_kernel(fixed, ref, A, B, variants=("example", "odd_shape"), backward=False)
+    assert d.passed
+    assert "candidate rejects" in d.evidence["skipped"]["odd_shape"]
+
+
+def test_variants_are_what_they_say():
+    x = np.asarray(A)
+    assert make_variant("zeros", (x,))[0].max() == 0
+    sub = make_variant("subnormal", (x,))[0]
+    assert np.abs(sub).max() < np.finfo(np.float32).smallest_normal
+    big = make_variant("large", (x,))[0]
+    assert 1e9 < np.abs(big).max() < 1e10
+    odd = make_variant("odd_shape", (x, np.asarray(B)[:, :8]))
+    assert odd[0].shape == (27, 27) and odd[1].shape == (27, 11)
+
+
+def test_errors():
+    with pytest.raises(PeatError, match="example arguments"):
+        check_kernel(ref, ref)
+    with pytest.raises(PeatError, match="unknown variants"):
+        check_kernel(ref, ref, A, B, variants=("huge",))
+
+    def opaque(a, b):
+        return jax.pure_callback(lambda a, b: np.asarray(a) @ np.asarray(b),
+                                 jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), a.dtype), a, b)
+
+    with pytest.raises(PeatError, match="backward=False"):
+        check_kernel(opaque, ref, A, B, variants=("example",))
+
+
+def test_atol_is_an_escape_hatch():
+    shifted = lambda a, b: a @ b + 1e-3     # noqa: E731
+    assert not check_kernel(shifted, ref, A, B, variants=("example",), backward=False).passed
+    assert check_kernel(shifted, ref, A, B, variants=("example",), backward=False,
+                        atol=2e-3).passed
+
+
+def test_assert_kernel_matches_message():
+    d = assert_kernel_matches(blocked, ref, A, B, variants=("example",))
+    assert d.passed
+    with pytest.raises(AssertionError) as err:
+        assert_kernel_matches(wrong_bwd, ref, A, B, variants=("example",))
+    msg = str(err.value)
+    assert msg.startswith("fails: wrong_scale") and '"origin"' in msg and "grad[1]" in msg
+
+
+def test_pytest_fixture(request):
+    """The peat_check fixture (registered by the package's pytest11 entry point)."""
+    if request.config.pluginmanager.get_plugin("peat_jax") is None:
+        pytest.skip("the pytest11 entry point is not installed (pip install -e .)")
+    peat_check = request.getfixturevalue("peat_check")
+    assert isinstance(peat_check, PeatCheck)
+    d = peat_check(blocked, ref, A, B, variants=("example",))
+    assert d.passed and peat_check.diagnoses == [d]
+    with pytest.raises(AssertionError, match="wrong_scale"):
+        peat_check(wrong_bwd, ref, A, B, variants=("example",))
+
+
+def test_fixture_defaults_come_from_the_command_line():
+    check = PeatCheck(variants=["example"], backward=False)
+    d = check(wrong_bwd, ref, A, B)           # backward off: the wrong gradient is not seen
+    assert d.passed and {o for _, o, _ in d.evidence["checks"]} == {"forward",
+                                                                   "repeat forward"}

@@ -1,0 +1,149 @@
+"""peat.detect: the ordered rules, models the fault library does not emulate (flush to zero,
+nondeterminism), summaries, allow=, pytrees and the documentation of every rule."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from peat_jax import faults as F
+from peat_jax.analyzer import analyze
+from peat_jax.detector import MODELS, PASSING, RULES, Diagnosis, detect
+from peat_jax.errors import PeatError
+
+SHAPE = (16, 32)
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "error_models.md"
+
+
+def _normal(seed=0, shape=SHAPE, shift=0.0):
+    return (np.random.default_rng(seed).standard_normal(shape) + shift).astype(np.float32)
+
+
+def _ulps(x: np.ndarray, k) -> np.ndarray:
+    """x moved by k ULPs (k broadcast; positive values only)."""
+    return (x.view(np.int32) + np.asarray(k, np.int32)).view(np.float32)
+
+
+def test_rules_are_ordered_documented_and_cover_the_taxonomy():
+    assert RULES[0].model == "exact" and RULES[-1].model == "unknown"
+    assert {r.model for r in RULES} == set(MODELS)
+    assert PASSING == {"exact", "numerical_noise"}
+    text = DOC.read_text()
+    positions = []
+    for rule in RULES:
+        assert len(rule.condition) > 30, rule.name
+        row = f"| `{rule.name}` |"
+        assert row in text, f"docs/error_models.md has no table row for rule {rule.name}"
+        positions.append(text.index(row))
+    assert positions == sorted(positions), "docs list the rules in another order"
+
+
+def test_exact_and_noise_pass():
+    g = _normal(0, shift=4.0)
+    d = detect(analyze(g, g))
+    assert (d.model, d.passed, d.confidence) == ("exact", True, 1.0)
+    d = detect(analyze(_ulps(g, np.arange(g.size).reshape(SHAPE) % 2), g))
+    assert d.model == "numerical_noise" and d.passed
+    assert d.summary.startswith("passes: numerical_noise")
+    assert json.dumps(d.evidence, allow_nan=False)
+
+
+def test_flush_to_zero_is_its_own_model_and_can_be_allowed():
+    g = _normal(1)
+    g.reshape(-1)[:20] = np.float32(np.finfo(np.float32).smallest_normal) / np.arange(2, 22,
+                                                                                   dtype=np.float32)
+    c = g.copy()
+    c.reshape(-1)[:20] = 0.0                       # a kernel that flushes subnormal outputs
+    d = detect(analyze(c, g))
+    assert d.model == "flush_to_zero" and not d.passed
+    assert d.evidence["flushed"] == 20
+    assert detect(analyze(c, g), allow=("flush_to_zero",)).passed
+
+
+def test_nondeterminism_compares_runs():
+    run0 = _normal(2, shift=4.0)
+    noisy = _ulps(run0, np.random.default_rng(0).integers(0, 2, SHAPE))
+    d = detect(analyze(noisy, run0, comparison="repeat"))
+    assert d.model == "numerical_noise" and d.passed and d.evidence["rule"] == "repeat_noise"
+    bad = run0.copy()
+    bad[3, 4] += 1.0
+    d = detect(analyze(bad, run0, comparison="repeat"))
+    assert d.model == "nondeterministic" and not d.passed
+    assert "[3, 4]" in d.summary
+
+
+def test_tile_boundary_summary_names_rows_and_block():
+    g = _normal(3, shape=(100, 24))
+    c = F.tile_boundary(32, axis=0).apply(lambda x: x, (g,), 0)
+    d = detect(analyze(c, g))
+    assert d.model == "tile_boundary"
+    assert "rows 96..99 = last partial block of 32" in d.summary, d.summary
+    assert d.evidence["axis"] == -2 and d.evidence["block"] == 32
+
+
+def test_stuck_at_is_reported_as_bit_flip_pattern():
+    g = _normal(4)
+    c = F.stuck_at(bit=22, value=1).apply(lambda x: x, (g,), 0)
+    d = detect(analyze(c, g))
+    assert d.model == "bit_flip" and d.evidence["pattern"] == "stuck_at"
+    assert d.evidence["bit"] == 22 and d.evidence["value"] == 1
+    assert d.evidence["bit_class"] == "mantissa"
+    one = F.bit_flip(bit=22, index=(2, 3)).apply(lambda x: x, (g,), 0)
+    d = detect(analyze(one, g))
+    assert d.model == "bit_flip" and d.evidence["pattern"] == "isolated"
+    assert d.evidence["elements"] == [[2, 3]] and "bit 22 (mantissa)" in d.summary
+
+
+def test_nan_from_exponent_flip_vs_written_nan():
+    g = _normal(5, shift=1.5)
+    g[0, 0] = 1.25           # exponent 127: flipping bit 30 gives a NaN keeping the mantissa
+    flipped = F.bit_flip(bit=30, index=0).apply(lambda x: x, (g,), 0)
+    assert np.isnan(flipped[0, 0])
+    assert detect(analyze(flipped, g)).model == "bit_flip"
+    g[0, 0] = 1.5            # mantissa = the quiet bit: the flip gives the canonical NaN
+    canonical = F.bit_flip(bit=30, index=0).apply(lambda x: x, (g,), 0)
+    assert detect(analyze(canonical, g)).model == "nan_inf"     # documented ambiguity
+    written = F.nan_inf(index=5).apply(lambda x: x, (g,), 0)
+    d = detect(analyze(written, g))
+    assert d.model == "nan_inf" and d.evidence["new_nonfinite"] == 1
+
+
+def test_operand_corruption_summary_and_confidence():
+    g = _normal(6)
+    c = g.copy()
+    c[7] = _normal(7, shape=(SHAPE[1],)) * 10
+    d = detect(analyze(c, g))
+    assert d.model == "operand_corruption" and d.evidence["indices"] == [7]
+    assert "whole row 7" in d.summary and 0 < d.confidence <= 1
+
+
+def test_allow_and_pytrees():
+    g = {"w": _normal(8), "b": _normal(9, shape=(8,))}
+    c = {"w": g["w"] * np.float32(2), "b": g["b"]}
+    d = detect(analyze(c, g))
+    assert d.model == "wrong_scale" and d.evidence["leaf"] == "['w']" and "[['w']]" in d.summary
+    assert detect(analyze(c, g), allow=("wrong_scale",)).passed
+    with pytest.raises(PeatError, match="unknown models"):
+        detect(analyze(c, g), allow=("typo",))
+    with pytest.raises(PeatError, match="Signature"):
+        detect(g)
+
+
+def test_integer_leaves():
+    a = np.arange(8)
+    assert detect(analyze(a, a)).model == "exact"
+    d = detect(analyze(a + (a == 3), a))
+    assert d.model == "unknown" and not d.passed
+
+
+def test_every_diagnosis_is_well_formed():
+    g = _normal(10, shift=2.0)
+    for fault in (F.scale(3.0), F.sign_flip(), F.zero(0.5), F.random_value(count=2),
+                  F.multi_bit_flip(bits=(3, 17), index=4)):
+        d = detect(analyze(fault.apply(lambda x: x, (g,), 0), g))
+        assert isinstance(d, Diagnosis) and d.model == fault.name, (fault.name, d.summary)
+        assert 0.0 <= d.confidence <= 1.0
+        assert d.summary.startswith("fails: " + d.model)
+        json.dumps(d.evidence, allow_nan=False)

@@ -1,0 +1,45 @@
+"""The HTML report: self-contained, escapes user text, shows verdicts and plots."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import peat_jax as peat
+from peat_jax import models
+from peat_jax.profiler.golden import profile
+from peat_jax.report import render_report, write_report
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rep") / "run"
+    profile(models.get("vision", batch_size=8, width=4, hidden=8), path, steps=6, checkpoint_every=3)
+    return path
+
+
+def test_user_strings_are_escaped(run):
+    evil = "<script>alert(1)</script>"
+    kernel = peat.Kernel(evil, lambda a, b, **p: 2.0 * __import__("jax").lax.dot_general(a, b, **p))
+    peat.playback(run, {"fwd:dot_general": kernel}, checkpoints=[3], name="evil")
+    page = render_report(run)
+    assert evil not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "<script" not in page  # no script of any kind: the page is static
+
+
+def test_report_lists_verdicts_and_runtime_curves(run):
+    peat.runtime(run, {"dot_general": peat.faults.scale(1.0)}, peat.every(2), steps=6, name="same")
+    path = write_report(run)
+    page = path.read_text()
+    assert path == run / "report.html"
+    assert 'class="grid verdicts"' in page and "wrong_scale" in page
+    assert "Runtime injection: same" in page and "masked" in page
+    assert page.count('class="fired"') == 3  # steps 0, 2, 4 marked
+    records = [json.loads(x) for x in (run / "campaigns" / "evil" / "results.jsonl").read_text().splitlines()]
+    assert all(r["local"]["model"] == "wrong_scale" for r in records)
+    assert "ULP distance" in page and "error mask" in page
+
+
+def test_report_of_a_missing_run_is_a_clear_error(tmp_path):
+    with pytest.raises(peat.PeatError, match="does not exist"):
+        write_report(tmp_path / "nope")
