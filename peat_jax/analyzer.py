@@ -3,7 +3,8 @@
 ``analyze(candidate, golden, reference64=None)`` compares two arrays (or two pytrees of arrays)
 and returns a `Signature`: the numbers the detector (``peat.detect``) decides an error model from.
 Everything is computed inside one jitted function per leaf (per shapes, dtypes and options);
-only the summary (a few hundred numbers) comes back to the host, never a full tensor.
+only the summary comes back to the host (a few hundred numbers, plus, when errors exist, the
+count of significant errors per index of the last two axes), never a full tensor.
 
 Definitions used throughout (per leaf; ``c`` candidate, ``g`` golden, ``r`` float64 reference):
 
@@ -1465,8 +1466,8 @@ def analyze(candidate, golden, reference64=None, *, reduction_length: Optional[i
       reduction_length: K of the dtype bound when there is no float64 reference (the op's
         reduction length; 1 for elementwise ops). Default: `DEFAULT_REDUCTION_LENGTH`.
       noise_factor: F (default 4).
-      ulp_allowance: a, in ULPs of the golden's dtype (default: 1 with a float64 reference,
-        `DTYPE_ULP_ALLOWANCE` otherwise).
+      ulp_allowance: a, in ULPs of the golden's dtype (default: `REFERENCE_ULP_ALLOWANCE` = 2
+        with a float64 reference, `DTYPE_ULP_ALLOWANCE` otherwise).
       comparison: "golden", or "repeat" when `golden` is an earlier run of the same candidate
         (the runs are compared directly, with the dtype bound as the floor).
       sample_size: elements the distribution statistics use per leaf (larger leaves are sampled).

@@ -285,9 +285,10 @@ def _stuck_pattern(s: Signature) -> Optional[tuple[int, int]]:
 def _stuck_at(s: Signature) -> Optional[_Match]:
     """More than an isolated number of significant elements, (sampled) >= 90% of them differing
     from the golden in exactly one bit (at or above their noise bits: rounding noise in other
-    elements may carry into a few), >= 95% of those in the same bit, >= 99% with the same resulting value there, and
-    that value already held by >= 5% of the golden values (bits that were already right did not
-    change): a bit stuck at 0 or 1, reported as ``bit_flip`` with ``pattern="stuck_at"``."""
+    elements may carry into a few), >= 95% of those in the same bit, >= 99% with the same
+    resulting value there, and that value already held by >= 5% of the golden values (bits that
+    were already right did not change): a bit stuck at 0 or 1, reported as ``bit_flip`` with
+    ``pattern="stuck_at"``."""
     c = s.counts
     if c.significant <= _isolated_limit(s) or s.bits is None:
         return None
@@ -546,8 +547,9 @@ def _reduced_precision(s: Signature) -> Optional[_Match]:
     new non-finite value, and either the float64 distribution test fails or >= 10% of the
     elements are significant) and either (a) the candidate's values use >= 2 fewer mantissa
     bits than the golden's and each is the golden rounded to that grid (<= 1% of the mismatched
-    elements more than 0.5625 ULP of the grid away: output rounded), or (b) the values use the full grid, the error slope is < 0.2 (error
-    independent of the value: inputs or products rounded) and |bias t| < 6."""
+    elements more than 0.5625 ULP of the grid away: output rounded), or (b) the values use the
+    full grid, the error slope is < 0.2 (error independent of the value: inputs or products
+    rounded) and |bias t| < 6."""
     if not _dense_numerical(s):
         return None
     p, e = s.precision, s.errors
@@ -576,8 +578,9 @@ def _reduced_precision(s: Signature) -> Optional[_Match]:
 def _low_precision_accumulation(s: Signature) -> Optional[_Match]:
     """Dense small errors (as for reduced_precision) and either (a) the candidate's values use
     >= 2 fewer mantissa bits than the golden's but > 1% of the mismatched elements are more than
-    0.5625 ULP of that grid away from the golden (several roundings in the narrow format), or (b) the error slope is >= 0.2 (error
-    grows with the accumulated value), or (c) the error is biased (|t| >= 6)."""
+    0.5625 ULP of that grid away from the golden (several roundings in the narrow format), or
+    (b) the error slope is >= 0.2 (error grows with the accumulated value), or (c) the error is
+    biased (|t| >= 6)."""
     if not _dense_numerical(s):
         return None
     p, e = s.precision, s.errors

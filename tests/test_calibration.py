@@ -225,14 +225,15 @@ def test_every_fault_is_diagnosed_as_its_own_model():
     every = {getattr(F, n)(**required.get(n, {})).name for n in F.ALL}
     assert {r[1] for r in rows} == every, "a fault constructor is not calibrated"
     rows += _extra_rows(CONFIGS)
-    rows += _run(CONFIGS[:1], noisy=True)
     assert {r[2] for r in rows} <= set(MODELS)
     _assert_diagonal(rows)
 
 
 @pytest.mark.slow
 def test_every_fault_is_diagnosed_more_shapes():
-    matmuls = [c for c in CONFIGS[1:] + SLOW_CONFIGS if c[0] == "matmul"]
+    """More shapes and dtypes, and every fault on top of a correct candidate that differs from
+    the golden by rounding (a kernel with another summation order that is also faulty)."""
+    matmuls = [c for c in CONFIGS + SLOW_CONFIGS if c[0] == "matmul"]
     _assert_diagonal(_run(SLOW_CONFIGS) + _extra_rows(SLOW_CONFIGS, by_hand=len(SLOW_CONFIGS))
                      + _run(matmuls, noisy=True))
 
