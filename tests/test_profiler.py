@@ -88,7 +88,7 @@ def test_runtime_exponent_bit_flip_every_10th_step_is_classified(golden):
     fault = peat.faults.bit_flip(bit=30)  # the top exponent bit: x * 2**128 or a tiny value
     r = runtime(run, {"fwd:dot_general": fault}, peat.every(10, offset=4), steps=30)
     assert r.fired_steps == (4, 14, 24)
-    assert r.outcome != "masked" and r.outcome in peat.profiler.runtime.OUTCOMES
+    assert r.outcome != "masked" and r.outcome in peat.profiler.OUTCOMES
     assert r.losses[:4] == r.golden_losses[:4]  # identical before the first firing step
     assert r.evidence["compiles"] == 1
 
