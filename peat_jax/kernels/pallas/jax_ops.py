@@ -22,7 +22,7 @@ from peat_jax.kernels import Kernel
 from peat_jax.kernels._support import check_block, region_args
 from peat_jax.kernels.pallas import interpret as _interp
 from peat_jax.kernels.pallas.attention import attention_supports
-from peat_jax.kernels.pallas.layer_norm import _shape_reason
+from peat_jax.kernels.pallas.layer_norm import _supports as layer_norm_supports
 
 __all__ = ["jax_pallas_layer_norm", "jax_pallas_mha"]
 
@@ -54,16 +54,7 @@ def jax_pallas_layer_norm(eps: float = 1e-6, *, interpret: Optional[bool] = None
         y = _ln.layer_norm(x3, scale, bias, None, 3, eps, "triton", mode)
         return y.reshape(x.shape).astype(out_dtype)
 
-    def supports(site) -> Optional[str]:
-        args = region_args(site)
-        if args is None:
-            return (f"{name} replaces a layer_norm(x, scale, bias) region, not the primitive "
-                    f"site {site.primitive!r}")
-        if len(args) != 3:
-            return f"{name} needs a region layer_norm(x, scale, bias), got {len(args)} arguments"
-        return _shape_reason(name, *args)
-
-    return Kernel(name, impl, supports=supports)
+    return Kernel(name, impl, supports=layer_norm_supports(name))
 
 
 def jax_pallas_mha(causal: bool = False, *, sm_scale: Optional[float] = None, block_q: int = 32,
