@@ -135,3 +135,14 @@ def test_language_workload_playback_through_scan_and_remat(tmp_path):
     failing = res.failing("local")
     assert len(failing) == 1 and failing[0]["phase"] == "bwd" and "blocks" in failing[0]["path"]
     assert failing[0]["local"]["model"] == "sign_flip"
+
+
+def test_resumed_cells_are_cells_with_diagnoses(run):
+    sub = {"fwd:dot_general": peat.faults.zero()}
+    first = playback(run, sub, checkpoints=[0], name="cells")
+    again = playback(run, sub, checkpoints=[0], name="cells")
+    for a, b in zip(first.cells, again.cells):
+        assert isinstance(b.local, peat.Diagnosis) and b.site == a.site
+        assert (b.local.model, b.local.passed, b.effect.model) == (a.local.model, a.local.passed,
+                                                                   a.effect.model) == ("zeroed", False, b.effect.model)
+    assert again.records() == first.records()

@@ -82,8 +82,8 @@ class PlaybackResult:
     """The grid of cells of one playback campaign.
 
     Attributes:
-      cells: one per (checkpoint, site), in (checkpoint, site) order; records resumed from disk
-        are included as `dict`s (`Cell.to_record()` form).
+      cells: one `Cell` per (checkpoint, site), in (checkpoint, site) order, those resumed from
+        disk included.
       campaign: the campaign directory, or None.
       compiles: executables compiled for the grid (1 when nothing had to be recompiled).
     """
@@ -348,7 +348,7 @@ def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
         for s in grid_sites:
             count += 1
             if (c, s.index) in done:
-                cells.append(done[(c, s.index)])
+                cells.append(_cell_from_record(done[(c, s.index)], s))
                 continue
             if not mine(c, s):
                 continue
@@ -359,6 +359,20 @@ def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
                 progress(count, total)
     compiles = replay.fn._cache_size() + (replay._multi._cache_size() if replay._multi else 0)
     return PlaybackResult(tuple(cells), str(camp), compiles)
+
+
+def _cell_from_record(rec: dict, site: Site) -> Cell:
+    """A cell read back from results.jsonl (a resumed campaign), with Diagnosis objects again."""
+    from peat_jax.detector import Diagnosis
+
+    def diag(d):
+        return None if d is None else Diagnosis(d["model"], bool(d["passed"]),
+                                                float(d["confidence"]), d.get("evidence", {}),
+                                                d.get("summary", ""))
+
+    return Cell(int(rec["checkpoint"]), site, rec.get("candidate", "?"), diag(rec.get("local")),
+                diag(rec.get("effect")), tuple(rec.get("loss", (float("nan"), float("nan")))),
+                rec.get("local_signature"), rec.get("effect_leaf", ""))
 
 
 def _cell(analyze, detect, checkpoint: int, site: Site, cand, golden, got) -> Cell:
