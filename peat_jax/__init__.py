@@ -8,6 +8,7 @@ candidate at one site, frequency-based runtime injection. See README.md.
 """
 from peat_jax import faults, kernels, profiler, report, testing
 from peat_jax.analyzer import Signature, analyze
+from peat_jax.cache import enable_compilation_cache
 from peat_jax.check import check_kernel
 from peat_jax.detector import Diagnosis, detect
 from peat_jax.errors import PeatError
@@ -15,7 +16,7 @@ from peat_jax.faults import Fault
 from peat_jax.kernels import Kernel
 from peat_jax.profiler import GoldenRun, RuntimeResult, Workload, profile, runtime
 from peat_jax.profiler.compare import RunComparison, compare_runs
-from peat_jax.profiler.playback import PlaybackResult, playback
+from peat_jax.profiler.playback import CellTimeout, PlaybackResult, playback
 from peat_jax.regions import flax_regions, region
 from peat_jax.schedule import Schedule, at_steps, every, inject, with_probability
 from peat_jax.sites import Site, format_sites, list_sites, select
@@ -24,6 +25,7 @@ from peat_jax.substitute import substitute, switched
 __version__ = "0.1.0"
 
 __all__ = [
+    "CellTimeout",
     "Diagnosis",
     "Fault",
     "GoldenRun",
@@ -41,6 +43,7 @@ __all__ = [
     "check_kernel",
     "compare_runs",
     "detect",
+    "enable_compilation_cache",
     "every",
     "faults",
     "flax_regions",

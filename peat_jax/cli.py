@@ -263,31 +263,92 @@ def _cells_table(title: str, records: list[dict]):
 
 def _playback(args, run_dir, cand, sites, checkpoints, name, progress) -> tuple[list[dict], Any]:
     res = peat.playback(run_dir, {sites: cand}, checkpoints=checkpoints, name=name,
-                        progress=progress)
+                        progress=progress, cell_timeout=getattr(args, "cell_timeout", None))
     return res.records(), res
+
+
+# Exit status of a playback worker that stopped at a timed-out cell (recorded): restart it.
+_EXIT_RESTART = 75
 
 
 def cmd_playback(args) -> int:
     cand = _candidate(args)
+    sel = _selector(args.sites, "dot_general")
+    if args.cell_timeout is not None and not args.worker:
+        return _supervise(args, cand, sel)
     with _Progress(not args.json) as p:
-        records, res = _playback(args, args.run_dir, cand, _selector(args.sites, "dot_general"),
-                                 _ints(args.checkpoints, "--checkpoints"), args.name,
-                                 p.task("playback cells"))
+        try:
+            records, res = _playback(args, args.run_dir, cand, sel,
+                                     _ints(args.checkpoints, "--checkpoints"), args.name,
+                                     p.task("playback cells"))
+        except peat.profiler.playback.CellTimeout as e:
+            if not args.worker:
+                raise
+            print(f"peat: {e}", file=sys.stderr)
+            sys.stderr.flush()
+            sys.stdout.flush()
+            import os
+            os._exit(_EXIT_RESTART)  # a hung computation may block a normal exit
     peat.report.write_report(args.run_dir)
     failing = res.failing("local")
     first = res.first_divergence()
+    counts = res.summary()
     if args.json:
         print(json.dumps({"campaign": res.campaign, "cells": records, "failing": len(failing),
-                          "first_divergence": first, "compiles": res.compiles}))
+                          "first_divergence": first, "compiles": res.compiles,
+                          "summary": counts}))
     else:
         _console().print(_cells_table(f"playback of {getattr(cand, 'name', cand)}", records))
         if first:
+            what = (first["local"]["summary"] if first.get("local") else
+                    first.get("error") or (first.get("effect") or {}).get("summary", ""))
             _say(args, f"[red]first divergence: step {first['checkpoint']}, site #{first['site']} "
-                       f"({first['phase']} {first['primitive']} @ {first['path']}): "
-                       f"{first['local']['summary']}[/]")
-        _say(args, f"{len(records) - len(failing)}/{len(records)} cells pass locally; "
+                       f"({first['phase']} {first['primitive']} @ {first['path']}): {what}[/]")
+        broken = "".join(f", {counts[k]} {k}" for k in ("crashed", "timeout") if counts[k])
+        _say(args, f"{len(records) - len(failing)}/{len(records)} cells pass locally{broken}; "
                    f"results {res.campaign}/; report {args.run_dir}/report.html")
     return 1 if failing else 0
+
+
+def _supervise(args, cand, sel) -> int:
+    """`peat playback --cell-timeout S`: run the campaign in a worker process and restart it
+    when a cell times out (the worker records it and exits) or the worker dies (a crashing
+    kernel: the cells it was running are recorded as crashed from their marker file). Every
+    restart resumes the campaign; the last worker's output and exit status are the command's."""
+    import pathlib
+    import signal
+    import subprocess
+
+    from peat_jax.profiler.playback import _campaign_name
+    from peat_jax.profiler.rundir import RunDir, append_jsonl
+
+    camp = RunDir(args.run_dir).campaign(args.name or _campaign_name({sel: cand}))
+    argv = [sys.executable, "-m", "peat_jax", *args.argv, "--worker"]
+    restarts = 0
+    while True:
+        rc = subprocess.call(argv)
+        if rc in (0, 1, 2):
+            return rc
+        markers = sorted(pathlib.Path(camp).glob("*.running"))
+        if rc != _EXIT_RESTART:
+            if not markers:
+                print(f"peat: error: the playback worker exited with status {rc} outside any "
+                      "cell; see its messages above", file=sys.stderr)
+                return 2
+            how = (f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}")
+            for m in markers:
+                recs = json.loads(m.read_text()).get("records", [])
+                for r in recs:
+                    r["error"] = f"the worker process died ({how}) while running this cell"
+                append_jsonl(m.with_suffix(""), recs)
+                m.unlink()
+                print(f"peat: the playback worker died ({how}) in cells "
+                      f"{[(r['checkpoint'], r['site']) for r in recs]}: recorded as crashed; "
+                      "restarting", file=sys.stderr)
+        restarts += 1
+        if restarts > 1000:
+            print("peat: error: the playback worker kept stopping; giving up", file=sys.stderr)
+            return 2
 
 
 def cmd_runtime(args) -> int:
@@ -422,6 +483,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return v
+
+
 def _positive(text: str) -> int:
     try:
         v = int(text)
@@ -474,6 +545,10 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("run_dir")
     candidate(pb)
     pb.add_argument("--checkpoints", help="checkpoint steps, comma-separated (default all)")
+    pb.add_argument("--cell-timeout", type=_positive_float, metavar="SECONDS",
+                    help="time limit per cell: run the campaign in a worker process, record a "
+                         "cell past the limit (or one whose kernel kills the process) and go on")
+    pb.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     common(pb)
     pb.set_defaults(func=cmd_playback)
 
@@ -507,6 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    peat.enable_compilation_cache()
     try:
         return args.func(args)
     except PeatError as e:

@@ -109,7 +109,8 @@ def _run_candidate(cand: Candidate, site: Site, vals: Sequence[Any], reference, 
                     f"cannot be differentiated ({type(e).__name__}: {str(e).splitlines()[0]}), but "
                     "a gradient flows through this site: give its impl a jax.custom_vjp or pass "
                     "vjp= to peat.Kernel") from e
-            raise
+            raise PeatError(f"kernel {cand.name!r} raised at site #{site.index} ({site.primitive} "
+                            f"@ {site.path}): {type(e).__name__}: {e}") from e
     _check_outputs(cand, site, outs)
     return outs
 

@@ -15,3 +15,31 @@ wrong_scale_matmul = peat.Kernel("wrong_scale_matmul", _scaled, primitive="dot_g
 def correct_matmul():
     return peat.Kernel("correct_matmul", lambda a, b, **p: jax.lax.dot_general(a, b, **p),
                        primitive="dot_general")
+
+
+def _on_host(out, action):
+    """`out` passed through a host callback that first does `action()` (runs when executed)."""
+    import numpy as np
+
+    def host(x):
+        action()
+        return np.asarray(x)
+
+    return jax.pure_callback(host, jax.ShapeDtypeStruct(out.shape, out.dtype), out)
+
+
+def _chaos(a, b, **params):
+    """Correct except at the small vision workload's backward GEMMs: (10, 32) hangs for 1000 s,
+    (32, 64) kills its process with SIGSEGV (what an out-of-bounds write in a native kernel does)."""
+    import os
+    import signal
+    import time
+    out = jax.lax.dot_general(a, b, **params)
+    if out.shape == (10, 32):
+        return _on_host(out, lambda: time.sleep(1000))
+    if out.shape == (32, 64):
+        return _on_host(out, lambda: os.kill(os.getpid(), signal.SIGSEGV))
+    return out
+
+
+hang_and_segfault_matmul = peat.Kernel("hang_and_segfault", _chaos, primitive="dot_general")

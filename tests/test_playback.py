@@ -146,3 +146,16 @@ def test_resumed_cells_are_cells_with_diagnoses(run):
         assert (b.local.model, b.local.passed, b.effect.model) == (a.local.model, a.local.passed,
                                                                    a.effect.model) == ("zeroed", False, b.effect.model)
     assert again.records() == first.records()
+
+
+def test_campaign_name_reused_with_other_fault_parameters_is_refused(run):
+    playback(run, {"fwd:dot_general": peat.faults.scale(2.0)}, checkpoints=[0], name="reuse")
+    path = run / "campaigns" / "reuse" / "results.jsonl"
+    before = path.read_bytes()
+    # same fault kind and name ("wrong_scale"), other parameter: not the same campaign
+    with pytest.raises(peat.PeatError, match="another substitution.*choose another name"):
+        playback(run, {"fwd:dot_general": peat.faults.scale(1.0)}, checkpoints=[0], name="reuse")
+    (run / "campaigns" / "reuse" / "campaign.json").write_text('{"candidates": [')
+    with pytest.raises(peat.PeatError, match="campaign.json is damaged"):
+        playback(run, {"fwd:dot_general": peat.faults.scale(2.0)}, checkpoints=[0], name="reuse")
+    assert path.read_bytes() == before

@@ -142,13 +142,25 @@ def blocked_matmul(block_k: int = 32, accumulate_dtype: Any = jnp.float32) -> Ke
     block_k = int(block_k)
 
     def matmul(a, b):
+        a, b = a.astype(accumulate_dtype), b.astype(accumulate_dtype)
         k = a.shape[-1]
+        whole = k // block_k
+
+        def block(acc, a_blk, b_blk):
+            return acc + jnp.matmul(a_blk, b_blk, precision=jax.lax.Precision.HIGHEST)
+
+        # A loop over the whole blocks (not an unrolled sum) keeps the program's size, and so its
+        # compile time, independent of K / block_k; the last partial block is added after it.
+        def body(i, acc):
+            start = i * block_k
+            a_blk = jax.lax.dynamic_slice_in_dim(a, start, block_k, axis=a.ndim - 1)
+            b_blk = jax.lax.dynamic_slice_in_dim(b, start, block_k, axis=b.ndim - 2)
+            return block(acc, a_blk, b_blk)
+
         acc = jnp.zeros(a.shape[:-1] + b.shape[-1:], accumulate_dtype)
-        for start in range(0, k, block_k):
-            stop = min(start + block_k, k)
-            acc = acc + jnp.matmul(a[..., start:stop].astype(accumulate_dtype),
-                                   b[..., start:stop, :].astype(accumulate_dtype),
-                                   precision=jax.lax.Precision.HIGHEST)
+        acc = jax.lax.fori_loop(0, whole, body, acc) if whole else acc
+        if k % block_k:
+            acc = block(acc, a[..., whole * block_k:], b[..., whole * block_k:, :])
         return acc
 
     return dot_general(matmul, name=f"blocked_matmul(block_k={block_k})", batched=True)

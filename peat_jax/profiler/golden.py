@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import logging
+import sys
 from typing import Any, Callable, Optional
 
 import jax
@@ -13,10 +15,10 @@ import numpy as np
 
 from peat_jax.errors import PeatError
 from peat_jax.profiler.rundir import (FORMAT, PathLike, RunDir, append_jsonl, atomic_write_json,
-                                      environment, rewrite_jsonl)
+                                      environment, rewrite_jsonl, run_identity)
 from peat_jax.profiler.workload import Workload
 
-__all__ = ["GoldenRun", "profile", "load_workload", "restore", "checkpoint_steps"]
+__all__ = ["GoldenRun", "profile", "load_workload", "restore", "checkpoint_steps", "state_digest"]
 
 Progress = Optional[Callable[[int, int], None]]
 
@@ -59,7 +61,8 @@ def _json_config(config) -> Any:
 
 def load_workload(manifest: dict, workload: Optional[Workload] = None) -> Workload:
     """The workload a run was made with: `workload` if given (checked against the manifest's
-    name), else the bundled workload named in the manifest, rebuilt from its config."""
+    name and config), else the bundled workload named in the manifest, rebuilt from its
+    config."""
     name = manifest["workload"]
     if workload is not None:
         if not isinstance(workload, Workload):
@@ -67,12 +70,26 @@ def load_workload(manifest: dict, workload: Optional[Workload] = None) -> Worklo
         if workload.name != name:
             raise PeatError(f"this run directory holds a golden run of workload {name!r}, but "
                             f"workload={workload.name!r} was given")
+        config = _json_config(workload.config)
+        if config != manifest["config"]:
+            diff = sorted(k for k in set(config) | set(manifest["config"])
+                          if config.get(k) != manifest["config"].get(k))
+            run_config = manifest["config"]
+            raise PeatError(f"workload={name!r} was given with another config than this run's: "
+                            + ", ".join(f"{k}={config.get(k)!r} (run: {run_config.get(k)!r})"
+                                        for k in diff)
+                            + "; pass the workload the run was profiled with")
         return workload
     from peat_jax import models
     if name not in models.available():
         raise PeatError(f"workload {name!r} of this run is not bundled with peat_jax; pass the "
                         "same workload object with workload=")
-    return models.get(name, **manifest["config"])
+    try:
+        return models.get(name, **manifest["config"])
+    except (TypeError, ValueError) as e:
+        raise PeatError(f"the manifest's workload {name!r} cannot be built from its config "
+                        f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); the "
+                        "manifest is damaged or from another peat_jax version") from None
 
 
 def _abstract_state(workload: Workload, seed: int):
@@ -110,10 +127,27 @@ class _quiet:
         logging.getLogger("absl").setLevel(self._lvl)
 
 
+def state_digest(state) -> str:
+    """SHA-256 of a train state's values (each leaf's path, dtype, shape and bytes; typed PRNG
+    keys by their key data): recorded when a checkpoint is saved and checked when it is
+    restored, so a checkpoint whose bytes changed is an error rather than silently different
+    numbers (Orbax does not checksum array data)."""
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        leaf = jnp.asarray(leaf)
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        a = np.ascontiguousarray(jax.device_get(leaf))
+        h.update(f"{jax.tree_util.keystr(path)}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
 def restore(run_dir: PathLike, step: int, *, workload: Optional[Workload] = None):
     """The train state saved before `step` (restored with the abstract target, so optimizer
     states and typed PRNG keys come back with their own types). Raises a PeatError naming the
-    checkpoint if it is missing or damaged."""
+    checkpoint if it is missing or damaged (unreadable, or its values differ from the digest
+    recorded when it was saved); nothing on disk is changed."""
     import orbax.checkpoint as ocp
     rd = RunDir(run_dir)
     m = rd.manifest()
@@ -122,18 +156,57 @@ def restore(run_dir: PathLike, step: int, *, workload: Optional[Workload] = None
     if step not in steps:
         raise PeatError(f"no checkpoint for step {step} in {rd.checkpoints}; available: "
                         f"{steps or 'none'}")
+    others = [s for s in steps if s != step]
+    remedy = f"use another checkpoint ({others}) or re-profile into a new directory"
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _abstract_state(wl, int(m["seed"])))
     with _quiet():
         mgr = _manager(rd)
         try:
-            return mgr.restore(step, args=ocp.args.StandardRestore(target))
+            state = mgr.restore(step, args=ocp.args.StandardRestore(target))
         except Exception as e:  # noqa: BLE001 - Orbax raises many types for damaged files
+            _drop_orbax_leftovers()
+            first = str(e).splitlines()[0][:200] if str(e).strip() else ""
             raise PeatError(f"checkpoint {rd.checkpoints / str(step)} cannot be restored "
-                            f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); it is damaged: "
-                            f"use another checkpoint ({[s for s in steps if s != step]}) or "
-                            "re-profile") from None
+                            f"({type(e).__name__}: {first}); it is damaged: {remedy}") from None
         finally:
             mgr.close()
+    record = rd.checkpoint_record()
+    expected = (record or {}).get("sha256", {}).get(str(step))
+    if expected is not None and state_digest(state) != expected:
+        raise PeatError(f"checkpoint {rd.checkpoints / str(step)} is damaged: its values differ "
+                        f"from the SHA-256 recorded in {rd.checkpoint_record_path} when it was "
+                        f"saved; {remedy}")
+    return state
+
+
+def _drop_orbax_leftovers() -> None:
+    """After a failed restore, Orbax leaves the reads of the other arrays pending; when they are
+    finalised (often at interpreter exit) each prints an "Exception ignored in: <coroutine ...>"
+    traceback, pages of them after the one-line error. From then on, drop those reports (and
+    only those: anything else goes to the hook that was installed)."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_peat_drops_orbax", False):
+        return
+
+    def hook(unraisable):
+        code = getattr(unraisable.object, "cr_code", None) or getattr(unraisable.object,
+                                                                      "gi_code", None)
+        if code is not None and "orbax" in code.co_filename.replace("\\", "/").split("/"):
+            return
+        previous(unraisable)
+
+    hook._peat_drops_orbax = True
+    sys.unraisablehook = hook
+
+
+def _record_digest(rd: RunDir, identity: dict, step: int, state) -> None:
+    """Note the digest of the state about to be saved as checkpoint `step` (before the save: a
+    kill between the two leaves a digest without a checkpoint, which is harmless)."""
+    record = rd.checkpoint_record() or {}
+    if record.get("run") != identity:
+        record = {"run": identity, "sha256": {}}
+    record.setdefault("sha256", {})[str(step)] = state_digest(state)
+    rd.write_checkpoint_record(record)
 
 
 def _manifest(wl: Workload, seed: int, steps: int, every: int) -> dict:
@@ -182,13 +255,23 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
     steps, every = int(steps), int(checkpoint_every)
     rd = RunDir(run_dir, create=True)
     manifest = _manifest(workload, seed, steps, every)
+    identity = run_identity(manifest)
     resumed_from = None
+    if not rd.has_manifest() and (rd.metrics_path.exists() or rd.checkpoint_record_path.exists()
+                                  or available_checkpoints(rd)):
+        raise PeatError(f"{rd.path} holds a golden run's files but no {rd.manifest_path.name}: "
+                        "put back its manifest.json to resume it, or profile into a new "
+                        "directory; nothing was changed")
     if rd.has_manifest():
         old = rd.manifest()
         why = _same_run(old, manifest)
         if why:
             raise PeatError(f"{rd.manifest_path} belongs to another golden run: {why}; profile "
                             "into a new directory")
+        if steps < int(old.get("steps", 0)):
+            raise PeatError(f"{rd.path} holds a golden run of {old['steps']} steps; profile it "
+                            f"with steps >= {old['steps']} to resume or extend it, or profile "
+                            f"{steps} steps into a new directory")
         done = available_checkpoints(rd)
         if done:
             resumed_from = max(done)
@@ -199,15 +282,17 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
         try:
             if resumed_from is None:
                 state = workload.init(jax.random.key(seed))
+                rd.write_manifest(manifest)  # first: files without a manifest are refused above
                 rewrite_jsonl(rd.metrics_path, [])
                 start = 0
             else:
                 state = restore(rd.path, resumed_from, workload=workload)
                 start = resumed_from
                 # drop metrics logged after the checkpoint we resume from (a kill between checkpoints)
-                rewrite_jsonl(rd.metrics_path, [r for r in rd.golden_metrics() if r["step"] < start])
-            rd.write_manifest(manifest)
+                rewrite_jsonl(rd.metrics_path, rd.golden_metrics(upto=start))
+                rd.write_manifest(manifest)
             if start not in available_checkpoints(rd) and start in wanted:
+                _record_digest(rd, identity, start, state)
                 mgr.save(start, args=ocp.args.StandardSave(state))
             pending = []
             for i in range(start, steps):
@@ -216,6 +301,7 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
                 if (i + 1) in wanted:
                     append_jsonl(rd.metrics_path, pending)
                     pending = []
+                    _record_digest(rd, identity, i + 1, state)
                     mgr.save(i + 1, args=ocp.args.StandardSave(state), force=True)
                     mgr.wait_until_finished()
                 if progress is not None:

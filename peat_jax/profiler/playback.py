@@ -33,7 +33,7 @@ from peat_jax.sites import Site, Tracer, select
 from peat_jax.substitute import Substitution, _run_candidate, _static_key, resolve
 from peat_jax import _interpreter as _ip
 
-__all__ = ["Cell", "PlaybackResult", "playback"]
+__all__ = ["Cell", "CellTimeout", "PlaybackResult", "playback"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,11 @@ class Cell:
         downsampled error mask).
       effect_leaf: the path of the leaf (`['loss']` or a param) that changed most; `effect` is
         that leaf's diagnosis.
+      status: "ok"; "crashed" when the candidate raised (while being traced at the site or
+        while running), returned outputs of the wrong shape or dtype, or killed the worker
+        process; "timeout" when the cell ran past the campaign's `cell_timeout`. A crashed or
+        timed-out cell has no diagnoses, and `error` says what happened.
+      error: the error message of a crashed / timed-out cell ("" otherwise).
     """
 
     checkpoint: int
@@ -62,14 +67,17 @@ class Cell:
     loss: tuple[float, float]
     local_signature: Optional[dict] = None
     effect_leaf: str = ""
+    status: str = "ok"
+    error: str = ""
 
     def to_record(self) -> dict[str, Any]:
         s = self.site
         return {"checkpoint": self.checkpoint, "site": s.index, "primitive": s.primitive,
                 "path": s.path, "phase": s.phase, "composite": s.composite,
-                "candidate": self.candidate,
+                "candidate": self.candidate, "status": self.status, "error": self.error,
                 "local": None if self.local is None else _diag_dict(self.local),
-                "effect": _diag_dict(self.effect), "effect_leaf": self.effect_leaf,
+                "effect": None if self.effect is None else _diag_dict(self.effect),
+                "effect_leaf": self.effect_leaf,
                 "loss": list(self.loss), "local_signature": self.local_signature}
 
 
@@ -86,18 +94,39 @@ class PlaybackResult:
         disk included.
       campaign: the campaign directory, or None.
       compiles: executables compiled for the grid (1 when nothing had to be recompiled).
+      reference_spread: for each replayed checkpoint, the largest relative difference between
+        golden replays of its step (0.0: the reference is deterministic). Where it is not 0, an
+        effect within `REFERENCE_SPREAD_FACTOR` (4) times the reference's own change, leaf by
+        leaf, is not blamed on the candidate (its evidence says so).
     """
 
     cells: tuple[Any, ...]
     campaign: Optional[str]
     compiles: int
+    reference_spread: dict = dataclasses.field(default_factory=dict)
 
     def records(self) -> list[dict]:
         return [c.to_record() if isinstance(c, Cell) else c for c in self.cells]
 
     def failing(self, which: str = "local") -> list[dict]:
-        """Records whose `which` diagnosis ("local" or "effect") did not pass."""
-        return [r for r in self.records() if r[which] is not None and not r[which]["passed"]]
+        """Records whose `which` diagnosis ("local" or "effect") did not pass, and the cells
+        that crashed or timed out (a candidate that cannot run fails its cell)."""
+        return [r for r in self.records() if _status(r) != "ok" or
+                (r[which] is not None and not r[which]["passed"])]
+
+    def summary(self) -> dict[str, int]:
+        """Counts of cells: ``cells``, ``passed`` / ``failed`` (local diagnosis; the effect
+        where the site cannot be tapped), ``crashed``, ``timeout``."""
+        out = {"cells": 0, "passed": 0, "failed": 0, "crashed": 0, "timeout": 0}
+        for r in self.records():
+            out["cells"] += 1
+            st = _status(r)
+            if st != "ok":
+                out[st if st in out else "crashed"] += 1
+                continue
+            d = r["local"] if r["local"] is not None else r["effect"]
+            out["passed" if d is not None and d["passed"] else "failed"] += 1
+        return out
 
     def first_divergence(self, which: str = "local") -> Optional[dict]:
         """Localisation: the earliest checkpoint at which the candidate fails, and at it the
@@ -106,12 +135,22 @@ class PlaybackResult:
         return min(bad, key=lambda r: (r["checkpoint"], r["site"])) if bad else None
 
 
+def _status(rec: dict) -> str:
+    return rec.get("status") or "ok"
+
+
+def _substitution_digest(substitution: Substitution) -> str:
+    """Hex digest of the selectors, candidate names and fault parameters (two faults of one
+    kind with other parameters, e.g. scale(2.0) and scale(1.0), differ)."""
+    return hashlib.sha1(repr(sorted((repr(k), getattr(c, "name", "?"),
+                                     repr(getattr(c, "params", "")))
+                                    for k, c in substitution.items())).encode()).hexdigest()
+
+
 def _campaign_name(substitution: Substitution) -> str:
     names = "+".join(sorted(getattr(c, "name", "?") for c in substitution.values()))
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", names)[:48].strip("_") or "campaign"
-    digest = hashlib.sha1(repr(sorted((repr(k), getattr(c, "name", "?"), repr(getattr(c, "params", "")))
-                                      for k, c in substitution.items())).encode()).hexdigest()[:8]
-    return f"{slug}-{digest}"
+    return f"{slug}-{_substitution_digest(substitution)[:8]}"
 
 
 def _pad(x: jax.Array, n: int) -> jax.Array:
@@ -128,6 +167,9 @@ class _Replay:
         self.width = max(int(np.prod(s.out_shapes[0])) for s in outs) if outs else 1
         self.fn = jax.jit(self._run)
         self._multi = None
+        # site index -> error message, for candidates that raised while being traced there
+        # (wrong output shape or dtype included); filled when `fn` is first traced
+        self.crashed: dict[int, str] = {}
 
     def multi(self, devices: Sequence[Any]):
         """The replay spread over `devices`: site indices [len(devices)] (one per device, each
@@ -178,7 +220,12 @@ class _Replay:
                     zero = jnp.zeros((width,), jnp.float32)
                     return ref, (zero, zero)
 
-                outs, taps = lax.cond(site_index == site.index, on, off, *invals)
+                try:
+                    outs, taps = lax.cond(site_index == site.index, on, off, *invals)
+                except Exception as e:  # noqa: BLE001 - the candidate failed at this site
+                    # Isolated: its cells are recorded as crashed, the rest of the grid runs.
+                    self.crashed.setdefault(site.index, _error_line(e))
+                    outs, taps = off(*invals)
                 return _ip.WithSide(outs, taps, _worst_iteration)
 
             rules[idx] = rule
@@ -194,6 +241,19 @@ class _Replay:
             ref_tap = jnp.where(hit, r, ref_tap)
             found = found | hit
         return new_state, metrics, (cand_tap, ref_tap, found)
+
+
+def _error_line(e: BaseException) -> str:
+    """`Type: first line of the message` of an exception, for a crashed cell's record."""
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+    if not lines:
+        return type(e).__name__
+    head = lines[0]
+    if len(lines) > 1 and "Traceback (most recent call last)" in str(e):
+        # an error raised in a host callback: XLA wraps the callback's traceback; its last line
+        # is the callback's own exception
+        head = head.split("Traceback (most recent call last)")[0].rstrip(" :") + ": " + lines[-1]
+    return f"{type(e).__name__}: {head}"[:1000]
 
 
 def _worst_iteration(stacked):
@@ -225,15 +285,46 @@ def _relative_changes(got, golden):
     return jax.tree.map(one, got, golden)
 
 
-def _effect(analyze, detect, golden, got) -> tuple[Any, str]:
+def _reference_spread(replay, golden, state, batch) -> Any:
+    """Per effect leaf, the largest relative change between golden replays of the step (floats
+    on the host): all 0.0 for a deterministic reference (two replays agree bitwise); otherwise
+    the maximum over three replays' pairs, a steadier estimate of the reference's own spread."""
+    g = _effect_tree(*golden[:2])
+    runs = [_effect_tree(*replay.fn(-1, state, batch)[:2])]
+    first = jax.device_get(_relative_changes(runs[0], g))
+    if not any(float(v) > 0 for v in jax.tree.leaves(first)):
+        return jax.tree.map(float, first)
+    runs.append(_effect_tree(*replay.fn(-1, state, batch)[:2]))
+    more = jax.device_get((_relative_changes(runs[1], g), _relative_changes(runs[1], runs[0])))
+    return jax.tree.map(lambda *v: max(float(x) for x in v), first, *more)
+
+
+def _effect(analyze, detect, golden, got, ref_spread=None) -> tuple[Any, str]:
     """The step's effect: the Diagnosis of the leaf (loss or a param) that changed most,
     relative to its own scale, and that leaf's path. One small reduction over all leaves picks
-    it, so the full analysis runs on one leaf (and compiles once per leaf shape, not per tree)."""
+    it, so the full analysis runs on one leaf (and compiles once per leaf shape, not per tree).
+
+    `ref_spread` (`_reference_spread`, when the reference is nondeterministic) excuses changes
+    within `REFERENCE_SPREAD_FACTOR` times the reference's own in every leaf: those pass as
+    `numerical_noise` with the evidence saying why."""
     (gs, gm), (cs, cm) = golden, got
     g_tree, c_tree = _effect_tree(gs, gm), _effect_tree(cs, cm)
     rel = jax.tree_util.tree_flatten_with_path(jax.device_get(_relative_changes(c_tree, g_tree)))[0]
     paths = [jax.tree_util.keystr(p) for p, _ in rel]
     values = [float(v) for _, v in rel]
+    if ref_spread is not None:
+        own = [float(v) for v in jax.tree.leaves(ref_spread)]
+        from peat_jax.check import REFERENCE_SPREAD_FACTOR
+        # (+ 4 float32 ULPs: relative changes this small are quantised)
+        if all(v <= REFERENCE_SPREAD_FACTOR * o + 4 * 2.0 ** -23 for v, o in zip(values, own)):
+            from peat_jax.detector import Diagnosis
+            k = int(np.argmax(values))
+            return Diagnosis(
+                "numerical_noise", True, 0.5,
+                {"reference_nondeterministic": True, "change": values[k],
+                 "reference_change": own[k]},
+                f"within the reference's own run-to-run difference ({values[k]:.3g} vs "
+                f"{own[k]:.3g} relative at {paths[k]}): the reference is nondeterministic"), paths[k]
     k = int(np.argmax(values)) if any(v > 0 for v in values) else 0
     leaf_c, leaf_g = jax.tree.leaves(c_tree)[k], jax.tree.leaves(g_tree)[k]
     return detect(analyze(leaf_c, leaf_g)), paths[k]
@@ -243,7 +334,8 @@ def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
              checkpoints: Optional[Sequence[int]] = None, workload: Optional[Workload] = None,
              name: Optional[str] = None, regions: Sequence[type] = (),
              devices: Optional[Sequence[Any]] = None, host: Optional[tuple[int, int]] = None,
-             progress: Optional[Callable[[int, int], None]] = None) -> "PlaybackResult":
+             progress: Optional[Callable[[int, int], None]] = None,
+             cell_timeout: Optional[float] = None) -> "PlaybackResult":
     """Replay the golden run's checkpointed steps with the candidate at one site per cell.
 
     Args:
@@ -265,10 +357,27 @@ def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
         `jax.process_index()` / `jax.process_count()` after `jax.distributed.initialize()`, so
         the same script started on every host splits the grid). Results of all hosts are read
         back together.
+      progress: called as `progress(done, total)` after each cell.
+      cell_timeout: a time limit in seconds for each cell's replay (None: no limit). A cell past
+        it is recorded as "timeout" and the campaign stops with `CellTimeout` (a `PeatError`):
+        a computation that hangs cannot be stopped from Python, so the next cells run after a
+        restart (`peat playback --cell-timeout` runs campaigns in a worker process and restarts
+        it by itself).
+
+    A candidate that fails at a site (raises, returns the wrong shape or dtype, fails while
+    running) is isolated: its cells are recorded with status "crashed" and the error message,
+    and the other cells run. `PlaybackResult.summary()` counts them.
 
     Returns:
       A `PlaybackResult` whose cells carry `local` and `effect` Diagnoses.
+
+    Raises:
+      PeatError: a bad run directory, checkpoint, selector or argument (nothing is written).
+      CellTimeout: a cell ran past `cell_timeout` (it is recorded; run the campaign again).
     """
+    if cell_timeout is not None and not (isinstance(cell_timeout, (int, float))
+                                         and cell_timeout > 0):
+        raise PeatError(f"cell_timeout must be a positive number of seconds, got {cell_timeout!r}")
     from peat_jax.analyzer import analyze
     from peat_jax.detector import detect
 
@@ -298,14 +407,23 @@ def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
     name = name or _campaign_name(substitution)
     camp = rd.campaign(name)
     spec = {"candidates": sorted({getattr(c, "name", "?") for c in chosen.values()}),
-            "sites": [s.index for s in grid_sites], "workload": wl.name}
+            "sites": [s.index for s in grid_sites], "workload": wl.name,
+            "substitution": _substitution_digest(substitution)}
     spec_path = camp / "campaign.json"
     if spec_path.exists():
         import json
-        old = json.loads(spec_path.read_text())
-        if old.get("candidates") != spec["candidates"] or old.get("workload") != spec["workload"]:
-            raise PeatError(f"campaign {name!r} in {camp} was run with candidates "
-                            f"{old.get('candidates')} on {old.get('workload')!r}; choose another name")
+        try:
+            old = json.loads(spec_path.read_text())
+            if not isinstance(old, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            raise PeatError(f"{spec_path} is damaged ({e}); move the campaign directory away to "
+                            "run it afresh, or choose another name") from None
+        if (old.get("candidates") != spec["candidates"] or old.get("workload") != spec["workload"]
+                or old.get("substitution", spec["substitution"]) != spec["substitution"]):
+            raise PeatError(f"campaign {name!r} in {camp} was run with another substitution "
+                            f"(candidates {old.get('candidates')} on {old.get('workload')!r}); "
+                            "choose another name")
     else:
         atomic_write_json(spec_path, spec)
     h_index, h_count = host if host is not None else (jax.process_index(), jax.process_count())
@@ -323,42 +441,138 @@ def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
     mine = lambda c, s: ordinal[(c, s.index)] % h_count == h_index  # noqa: E731
     replay = _Replay(wl.train_step, traced, chosen, grid_sites)
     devices = list(jax.local_devices()) if devices is None else list(devices)
+    width = max(1, len(devices))
     total = len(checkpoints) * len(grid_sites)
+    running = _running_path(results_path)
     cells: list[Any] = []
+    spread: dict[int, float] = {}
     count = 0
+
+    def dispatch(group, state, batch) -> dict[int, Any]:
+        """Start the replays of `group` (asynchronously): site index -> (state, metrics, taps)."""
+        if len(devices) > 1:
+            ids = [s.index for s in group] + [-1] * (len(devices) - len(group))
+            out = replay.multi(devices)(jnp.asarray(ids, jnp.int32), state, batch)
+            home = jax.tree.leaves(state)[0].sharding
+            return {s.index: jax.device_put(jax.tree.map(lambda x, j=j: x[j], out), home)
+                    for j, s in enumerate(group)}
+        return {group[0].index: replay.fn(group[0].index, state, batch)}
+
     for c in checkpoints:
         todo = [s for s in grid_sites if (c, s.index) not in done and mine(c, s)]
-        results: dict[int, Any] = {}
+        count += len(grid_sites) - len(todo)  # resumed, or another host's
+        new: dict[int, Cell] = {}
+
+        def finish(cell: Cell) -> None:
+            nonlocal count
+            append_jsonl(results_path, [cell.to_record()])
+            new[cell.site.index] = cell
+            count += 1
+            if progress is not None:
+                progress(count, total)
+
         if todo:
             with _quiet():
                 state = restore(rd.path, c, workload=wl) if c != checkpoints[0] else state0
             batch = _to_device(wl.batch(c))
-            golden = replay.fn(-1, state, batch)
-            for start in range(0, len(todo), max(1, len(devices))):
-                group = todo[start:start + len(devices)]
-                if len(devices) > 1:
-                    ids = [s.index for s in group] + [-1] * (len(devices) - len(group))
-                    out = replay.multi(devices)(jnp.asarray(ids, jnp.int32), state, batch)
-                    home = jax.tree.leaves(golden)[0].sharding
-                    for j, s in enumerate(group):
-                        results[s.index] = jax.device_put(jax.tree.map(lambda x, j=j: x[j], out),
-                                                          home)
+            golden = replay.fn(-1, state, batch)  # compiles on first use: crashed sites known
+            # The reference replayed again: where it differs from itself, the candidate is not
+            # blamed for differences the reference makes on its own.
+            ref_spread = _reference_spread(replay, golden, state, batch)
+            spread[c] = max(jax.tree.leaves(ref_spread) or [0.0])
+            ref_spread = ref_spread if spread[c] > 0 else None
+            name_of = lambda s: getattr(chosen[s.index], "name", "?")  # noqa: E731
+            for s in todo:
+                if s.index in replay.crashed:
+                    finish(_failed_cell(c, s, name_of(s), "crashed", replay.crashed[s.index]))
+            runnable = [s for s in todo if s.index not in replay.crashed]
+            groups = [runnable[i:i + width] for i in range(0, len(runnable), width)]
+            if cell_timeout is not None and len(devices) > 1 and groups:
+                jax.block_until_ready(dispatch([], state, batch))  # compile outside the limit
+            ahead = None
+            for gi, group in enumerate(groups):
+                if cell_timeout is None:
+                    # one group in flight ahead of the one being analysed: the replays overlap
+                    # the analysis, and at most two groups' outputs are held
+                    outs = ahead if ahead is not None else _attempt(dispatch, group, state, batch)
+                    ahead = (_attempt(dispatch, groups[gi + 1], state, batch)
+                             if gi + 1 < len(groups) else None)
                 else:
-                    results[group[0].index] = replay.fn(group[0].index, state, batch)
+                    # what a supervisor records if this process dies in these cells
+                    atomic_write_json(running, {"records": [_failed_cell(
+                        c, s, name_of(s), "crashed", "the process died while running this cell"
+                    ).to_record() for s in group]})
+                    outs = _with_time_limit(lambda g=group: jax.block_until_ready(
+                        dispatch(g, state, batch)), cell_timeout)
+                    if outs is _TIMED_OUT:
+                        msg = (f"TimeoutError: the cell ran longer than the time limit of "
+                               f"{cell_timeout:g} s")
+                        for s in group:
+                            finish(_failed_cell(c, s, name_of(s), "timeout", msg))
+                        running.unlink(missing_ok=True)
+                        raise CellTimeout(
+                            f"cell(s) {[(c, s.index) for s in group]} of campaign {name!r} ran "
+                            f"past the time limit of {cell_timeout:g} s and are recorded as "
+                            "'timeout'. The device may still be busy with them, so the campaign "
+                            "stopped here: run it again in a new process to go on with the other "
+                            "cells (`peat playback --cell-timeout` restarts its worker by itself)")
+                for s in group:
+                    try:
+                        if isinstance(outs, BaseException):
+                            raise outs
+                        cell = _cell(analyze, detect, c, s, chosen[s.index], golden,
+                                     outs[s.index], ref_spread)
+                    except Exception as e:  # noqa: BLE001 - the candidate failed while running
+                        cell = _failed_cell(c, s, name_of(s), "crashed", _error_line(e))
+                    finish(cell)
+            running.unlink(missing_ok=True)
         for s in grid_sites:
-            count += 1
             if (c, s.index) in done:
                 cells.append(_cell_from_record(done[(c, s.index)], s))
-                continue
-            if not mine(c, s):
-                continue
-            cell = _cell(analyze, detect, c, s, chosen[s.index], golden, results[s.index])
-            append_jsonl(results_path, [cell.to_record()])
-            cells.append(cell)
-            if progress is not None:
-                progress(count, total)
+            elif s.index in new:
+                cells.append(new[s.index])
     compiles = replay.fn._cache_size() + (replay._multi._cache_size() if replay._multi else 0)
-    return PlaybackResult(tuple(cells), str(camp), compiles)
+    return PlaybackResult(tuple(cells), str(camp), compiles, spread)
+
+
+class CellTimeout(PeatError):
+    """A playback cell ran past its time limit (recorded as 'timeout'; the campaign stopped)."""
+
+
+_TIMED_OUT = object()
+
+
+def _attempt(fn, *args):
+    """`fn(*args)`, or the exception it raised (reported on the cells it concerns)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        return e
+
+
+def _with_time_limit(fn, seconds: float):
+    """`fn()` run in a daemon thread: its result (or the exception it raised), or `_TIMED_OUT`
+    when it has not finished after `seconds`. A computation that hangs cannot be stopped from
+    Python; the thread is left behind and the caller stops the campaign."""
+    import threading
+    box: list[Any] = []
+
+    def run():
+        box.append(_attempt(fn))
+
+    t = threading.Thread(target=run, daemon=True, name="peat-cell")
+    t.start()
+    t.join(seconds)
+    return box[0] if box else _TIMED_OUT
+
+
+def _running_path(results_path):
+    return results_path.with_name(results_path.name + ".running")
+
+
+def _failed_cell(checkpoint: int, site: Site, candidate: str, status: str, error: str) -> Cell:
+    nan = float("nan")
+    return Cell(checkpoint, site, candidate, None, None, (nan, nan), None, "", status, error)
 
 
 def _cell_from_record(rec: dict, site: Site) -> Cell:
@@ -372,10 +586,12 @@ def _cell_from_record(rec: dict, site: Site) -> Cell:
 
     return Cell(int(rec["checkpoint"]), site, rec.get("candidate", "?"), diag(rec.get("local")),
                 diag(rec.get("effect")), tuple(rec.get("loss", (float("nan"), float("nan")))),
-                rec.get("local_signature"), rec.get("effect_leaf", ""))
+                rec.get("local_signature"), rec.get("effect_leaf", ""), _status(rec),
+                rec.get("error", ""))
 
 
-def _cell(analyze, detect, checkpoint: int, site: Site, cand, golden, got) -> Cell:
+def _cell(analyze, detect, checkpoint: int, site: Site, cand, golden, got,
+          ref_spread=None) -> Cell:
     gs, gm, _ = golden
     cs, cm, (ct, rt, found) = got
     local, compact = None, None
@@ -387,7 +603,7 @@ def _cell(analyze, detect, checkpoint: int, site: Site, cand, golden, got) -> Ce
         local = detect(sig)
         if not local.passed:
             compact = _compact_signature(sig, c, r)
-    effect, leaf = _effect(analyze, detect, (gs, gm), (cs, cm))
+    effect, leaf = _effect(analyze, detect, (gs, gm), (cs, cm), ref_spread)
     return Cell(checkpoint, site, getattr(cand, "name", "?"), local, effect,
                 (float(gm["loss"]), float(cm["loss"])), compact, leaf)
 

@@ -4,12 +4,17 @@ Layout:
   manifest.json               workload, config, seeds, versions, backend, device kind
   checkpoints/<step>/          Orbax checkpoints of the full train state before step <step>
   golden/metrics.jsonl         one JSON object per training step: {"step": i, "loss": ..., ...}
+  golden/checkpoints.json      the run each checkpoint belongs to (workload, config, seed,
+                               checkpoint interval) and a SHA-256 of each checkpoint's state, so a
+                               damaged checkpoint or a manifest from another run is an error, not
+                               silently different numbers
   golden/eval.json             held-out metrics of the final golden state
   campaigns/<name>/...         playback and runtime results
 
 Only JSON, Orbax and pickle-free `.npz` are written; nothing is ever unpickled. JSON files are
 written atomically (temporary file + rename); JSONL files are appended line by line and a torn
-last line (from a kill mid-write) is dropped on reading.
+last line (from a kill mid-write) is dropped on reading; a damaged line elsewhere is skipped with a
+warning (or is an error with `strict=True`), and is never rewritten.
 """
 from __future__ import annotations
 
@@ -18,15 +23,19 @@ import os
 import pathlib
 import platform
 import tempfile
+import warnings
 from typing import Any, Iterable, Mapping, Optional, Union
 
 import jax
 
 from peat_jax.errors import PeatError
 
-__all__ = ["MANIFEST", "RunDir", "atomic_write_json", "append_jsonl", "read_jsonl", "environment"]
+__all__ = ["MANIFEST", "RunDir", "atomic_write_json", "append_jsonl", "read_jsonl", "environment",
+           "run_identity"]
 
 MANIFEST = "manifest.json"
+# the manifest keys that say which run a directory holds (not "steps": a run may be extended)
+IDENTITY = ("workload", "config", "seed", "checkpoint_every")
 FORMAT = 1
 PathLike = Union[str, os.PathLike]
 
@@ -91,26 +100,31 @@ def append_jsonl(path: PathLike, records: Iterable[Mapping[str, Any]]) -> None:
 
 
 def read_jsonl(path: PathLike, *, strict: bool = False) -> list[dict]:
-    """The records of a JSONL file. A torn last line (no newline) is dropped; a garbage line in
-    the middle raises a PeatError naming the file and line when `strict`, else it is skipped."""
+    """The records of a JSONL file. A torn last line (no newline: a write killed midway) is
+    dropped silently. A damaged line elsewhere (not a JSON object, or not UTF-8) raises a
+    PeatError naming the file and line when `strict`; otherwise it is skipped with a warning
+    naming them (a playback campaign then recomputes the cell that line held). The file itself
+    is never modified here."""
     path = pathlib.Path(path)
     if not path.exists():
         return []
     out = []
-    with open(path) as f:
-        lines = f.read().split("\n")
-    last = len(lines) - 1  # the text after the final newline: empty, or a torn line
-    for i, line in enumerate(lines):
-        if i == last or not line.strip():
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    last = len(lines) - 1  # the bytes after the final newline: empty, or a torn line
+    for i, raw in enumerate(lines):
+        if i == last or not raw.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = json.loads(raw.decode("utf-8"))
             if not isinstance(rec, dict):
                 raise ValueError("not an object")
-        except ValueError:
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             if strict:
                 raise PeatError(f"{path}: line {i + 1} is not a JSON object; the file is damaged: "
                                 "move it away to start that record afresh") from None
+            warnings.warn(f"{path}: line {i + 1} is not a JSON object (damaged); skipped",
+                          stacklevel=2)
             continue
         out.append(rec)
     return out
@@ -127,6 +141,12 @@ def rewrite_jsonl(path: PathLike, records: Iterable[Mapping[str, Any]]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def run_identity(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a manifest that says which run it describes (workload, config, seed,
+    checkpoint interval)."""
+    return {k: manifest.get(k) for k in IDENTITY}
 
 
 def environment() -> dict[str, Any]:
@@ -171,6 +191,7 @@ class RunDir:
     checkpoints = property(lambda self: self.path / "checkpoints")
     metrics_path = property(lambda self: self.path / "golden" / "metrics.jsonl")
     eval_path = property(lambda self: self.path / "golden" / "eval.json")
+    checkpoint_record_path = property(lambda self: self.path / "golden" / "checkpoints.json")
 
     def campaign(self, name: str) -> pathlib.Path:
         if not name or "/" in name or name.startswith("."):
@@ -191,19 +212,57 @@ class RunDir:
         except (ValueError, OSError) as e:
             raise PeatError(f"{p} is damaged ({e}); restore it or profile into a new "
                             "directory") from None
-        for key in ("workload", "config", "seed", "checkpoint_every"):
+        for key in IDENTITY:
             if not isinstance(m, dict) or key not in m:
                 raise PeatError(f"{p} lacks {key!r}: not a manifest written by peat_jax")
+        record = self.checkpoint_record()
+        if record is not None and "run" in record:
+            ours, theirs = run_identity(m), record["run"]
+            for key in IDENTITY:
+                if ours[key] != theirs.get(key):
+                    raise PeatError(
+                        f"{p} does not describe the checkpoints in {self.checkpoints}: {key} "
+                        f"differs (manifest: {ours[key]!r}, checkpoints: {theirs.get(key)!r}); "
+                        "put back the run's own manifest.json or profile into a new directory")
         return m
+
+    def checkpoint_record(self) -> Optional[dict[str, Any]]:
+        """`golden/checkpoints.json`: {"run": identity, "sha256": {step: digest}}, or None for a
+        run directory written before it existed. A damaged record is a PeatError."""
+        p = self.checkpoint_record_path
+        if not p.exists():
+            return None
+        try:
+            rec = json.loads(p.read_text())
+            if not (isinstance(rec, dict) and isinstance(rec.get("sha256", {}), dict)):
+                raise ValueError("not a checkpoint record")
+        except (ValueError, OSError) as e:
+            raise PeatError(f"{p} is damaged ({e}); restore it, or delete it to use the "
+                            "checkpoints without verifying them") from None
+        return rec
+
+    def write_checkpoint_record(self, record: Mapping[str, Any]) -> None:
+        atomic_write_json(self.checkpoint_record_path, dict(record))
 
     def write_manifest(self, manifest: Mapping[str, Any]) -> None:
         atomic_write_json(self.manifest_path, dict(manifest))
 
-    def golden_metrics(self) -> list[dict]:
-        """Golden per-step metrics in step order (one record per step)."""
+    def golden_metrics(self, upto: Optional[int] = None) -> list[dict]:
+        """Golden per-step metrics in step order (one record per step), of steps < `upto` if
+        given. A step missing before the last one recorded (a damaged line) is a PeatError: a
+        golden curve with a hole would misalign every comparison against it."""
         recs = read_jsonl(self.metrics_path)
-        by_step = {int(r["step"]): r for r in recs if "step" in r}
-        return [by_step[s] for s in sorted(by_step)]
+        by_step = {}
+        for r in recs:
+            if isinstance(r.get("step"), int) and (upto is None or r["step"] < upto):
+                by_step[r["step"]] = r
+        steps = sorted(by_step)
+        missing = sorted(set(range(steps[-1] + 1)) - set(steps)) if steps else []
+        if missing:
+            shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+            raise PeatError(f"{self.metrics_path} lacks the golden metrics of step(s) {shown} "
+                            "(damaged lines); restore the file or profile into a new directory")
+        return [by_step[s] for s in steps]
 
     def golden_losses(self) -> list[float]:
         return [float(r["loss"]) for r in self.golden_metrics()]

@@ -83,14 +83,17 @@ def _playback_section(name: str, records: list[dict]) -> str:
             local, effect = r.get("local"), r.get("effect")
             label = (local or effect or {}).get("model", r.get("status", "?"))
             tip = (local or {}).get("summary", "") or r.get("error", "")
-            cells.append(f'<td style="background:{_colour(local or effect)}" title="{_e(tip)}">'
-                         f"{_e(label)}</td>")
+            broken = r.get("status") in ("crashed", "timeout")
+            colour = "#6a1b9a;color:#fff" if broken else _colour(local or effect)
+            cells.append(f'<td style="background:{colour}" title="{_e(tip)}">'
+                         f"{_e(r['status'] if broken else label)}</td>")
         rows.append(f"<tr><th>#{_e(s)} {_e(r0.get('phase', ''))} {_e(r0.get('primitive', ''))}"
                     f" <span class='muted'>{_e(r0.get('path', ''))}</span></th>{''.join(cells)}</tr>")
     out = [f'<h2 id="campaign-{_e(name)}">Playback campaign: {_e(name)}</h2>',
            f"<p>Candidate: <code>{_e(records[0].get('candidate', '?'))}</code>. Each cell replays the "
            "checkpointed step with the candidate at one site; colour = local diagnosis at the site "
-           "(green passes, amber numeric, red fault or bug).</p>",
+           "(green passes, amber numeric, red fault or bug, purple: the candidate crashed or timed "
+           "out).</p>",
            f'<table class="grid verdicts"><tr><th>site</th>{head}</tr>{"".join(rows)}</table>']
     failing = [r for r in records if r.get("local") and not r["local"].get("passed", True)]
     crashed = [r for r in records if r.get("status") in ("crashed", "timeout")]

@@ -1,0 +1,131 @@
+"""Failing candidates in playback campaigns: each bad cell is isolated and recorded, the rest run."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import peat_jax as peat
+from peat_jax import models
+from peat_jax.profiler.golden import profile
+from peat_jax.profiler.playback import CellTimeout, playback
+from peat_jax.profiler.rundir import to_json
+
+TESTS = pathlib.Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    wl = models.get("vision", batch_size=16, width=8, hidden=32)
+    path = tmp_path_factory.mktemp("iso") / "run"
+    profile(wl, path, steps=40, checkpoint_every=20)
+    return path
+
+
+def _host_raise(out):
+    def host(x):
+        raise RuntimeError("kernel launch failed: invalid configuration")
+
+    return jax.pure_callback(host, jax.ShapeDtypeStruct(out.shape, out.dtype), out)
+
+
+def _broken(a, b, **params):
+    """A kernel with a different failure at each of four of the six GEMM sites."""
+    out = jax.lax.dot_general(a, b, **params)
+    if out.shape == (10, 32):    # site 16: raises while traced
+        raise ValueError("boom: tile size 7 unsupported")
+    if out.shape == (32, 64):    # site 19: wrong shape
+        return out.T
+    if out.shape == (16, 10):    # site 6: NaN everywhere
+        return jnp.full_like(out, jnp.nan)
+    if out.shape == (16, 64):    # site 20: fails while running
+        return _host_raise(out)
+    return out
+
+
+def _by_site(res):
+    return {r["site"]: r for r in res.records()}
+
+
+def test_failing_candidates_are_isolated_per_cell_and_counted(run):
+    res = playback(run, {"dot_general": peat.Kernel("broken", _broken)}, checkpoints=[20],
+                   name="broken")
+    cells = _by_site(res)
+    assert sorted(cells) == [5, 6, 16, 17, 19, 20]
+    assert cells[16]["status"] == "crashed" and "boom: tile size 7" in cells[16]["error"]
+    assert cells[19]["status"] == "crashed" and "returned (float32[64, 32])" in cells[19]["error"] \
+        and "needs (float32[32, 64])" in cells[19]["error"]
+    assert cells[20]["status"] == "crashed" and "invalid configuration" in cells[20]["error"]
+    assert cells[6]["status"] == "ok" and cells[6]["local"]["model"] == "nan_inf"
+    assert not cells[6]["local"]["passed"]
+    for s in (5, 17):  # the correct sites still ran and passed
+        assert cells[s]["status"] == "ok" and cells[s]["local"]["model"] == "exact"
+    assert res.summary() == {"cells": 6, "passed": 2, "failed": 1, "crashed": 3, "timeout": 0}
+    assert {r["site"] for r in res.failing()} == {6, 16, 19, 20}
+    assert res.first_divergence()["site"] == 6
+    # the records on disk say the same, and a rerun resumes them as they are
+    again = playback(run, {"dot_general": peat.Kernel("broken", _broken)}, checkpoints=[20],
+                     name="broken")
+    norm = lambda recs: [json.loads(to_json(r)) for r in recs]  # noqa: E731
+    assert norm(again.records()) == norm(res.records())
+    lines = (run / "campaigns" / "broken" / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 6
+
+
+def test_a_cell_past_its_time_limit_is_recorded_and_the_rerun_goes_on(run):
+    def slow(a, b, **params):
+        out = jax.lax.dot_general(a, b, **params)
+        if out.shape != (10, 32):
+            return out
+
+        def host(x):
+            time.sleep(6)
+            return np.asarray(x)
+
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(out.shape, out.dtype), out)
+
+    kernel = peat.Kernel("slow_at_16", slow)
+    t0 = time.perf_counter()
+    with pytest.raises(CellTimeout, match=r"time limit of 1\.5 s.*run it again"):
+        playback(run, {"dot_general": kernel}, checkpoints=[20], name="slow", cell_timeout=1.5)
+    assert time.perf_counter() - t0 < 60
+    path = run / "campaigns" / "slow" / "results.jsonl"
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(r["site"], r["status"]) for r in recs] == [(5, "ok"), (6, "ok"), (16, "timeout")]
+    assert not list(path.parent.glob("*.running"))
+    res = playback(run, {"dot_general": kernel}, checkpoints=[20], name="slow", cell_timeout=30)
+    assert res.summary() == {"cells": 6, "passed": 5, "failed": 0, "crashed": 0, "timeout": 1}
+    assert len(path.read_text().splitlines()) == 6
+
+
+def test_bad_cell_timeout_is_refused(run):
+    with pytest.raises(peat.PeatError, match="cell_timeout must be a positive number"):
+        playback(run, {"dot_general": peat.faults.scale(2.0)}, cell_timeout=0)
+
+
+@pytest.mark.slow
+def test_cli_worker_restarts_after_a_hang_and_a_segfault(run, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "peat_jax", "playback", str(run), "--kernel",
+                        "cli_kernels:hang_and_segfault_matmul", "--checkpoints", "20",
+                        "--name", "chaos", "--cell-timeout", "5", "--json"],
+                       capture_output=True, text=True, env=env, timeout=400)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert "recorded as 'timeout'" in r.stderr and "SIGSEGV" in r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["summary"] == {"cells": 6, "passed": 4, "failed": 0, "crashed": 1, "timeout": 1}
+    recs = [json.loads(x) for x in
+            (run / "campaigns" / "chaos" / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["site"] for r in recs) == [5, 6, 16, 17, 19, 20]
+    status = {r["site"]: (r["status"], r["error"]) for r in recs}
+    assert status[16][0] == "timeout" and "5 s" in status[16][1]
+    assert status[19][0] == "crashed" and "SIGSEGV" in status[19][1]
