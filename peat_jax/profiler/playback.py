@@ -598,7 +598,10 @@ def _cell(analyze, detect, checkpoint: int, site: Site, cand, golden, got,
     if bool(found):
         n = int(np.prod(site.out_shapes[0]))
         shape, dtype = site.out_shapes[0], site.out_dtypes[0]
-        c, r = ct[:n].reshape(shape).astype(dtype), rt[:n].reshape(shape).astype(dtype)
+        # sliced on the host: the taps are one site output each, and eager device slicing
+        # would compile a small program per distinct shape
+        ct, rt = jax.device_get((ct, rt))
+        c, r = (np.asarray(t[:n]).reshape(shape).astype(dtype) for t in (ct, rt))
         sig = analyze(c, r)
         local = detect(sig)
         if not local.passed:
