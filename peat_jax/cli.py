@@ -324,13 +324,29 @@ def _supervise(args, cand, sel) -> int:
 
     camp = RunDir(args.run_dir).campaign(args.name or _campaign_name({sel: cand}))
     argv = [sys.executable, "-m", "peat_jax", *args.argv, "--worker"]
+    # The worker times its cells itself; this is the backstop for a worker too wedged to (a
+    # hang holding the GIL): a cell marker older than this is killed with its worker.
+    hard_limit = 2 * args.cell_timeout + 10
     restarts = 0
     while True:
-        rc = subprocess.call(argv)
-        if rc in (0, 1, 2):
+        for stale in pathlib.Path(camp).glob("*.running"):  # left by an interrupted run
+            stale.unlink()
+        proc = subprocess.Popen(argv)
+        wedged = False
+        while True:
+            try:
+                rc = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                now = time.time()
+                if any(now - m.stat().st_mtime > hard_limit
+                       for m in pathlib.Path(camp).glob("*.running") if m.exists()):
+                    wedged = True
+                    proc.kill()
+        if rc in (0, 1, 2) and not wedged:
             return rc
         markers = sorted(pathlib.Path(camp).glob("*.running"))
-        if rc != _EXIT_RESTART:
+        if rc != _EXIT_RESTART or wedged:
             if not markers:
                 print(f"peat: error: the playback worker exited with status {rc} outside any "
                       "cell; see its messages above", file=sys.stderr)
@@ -339,12 +355,19 @@ def _supervise(args, cand, sel) -> int:
             for m in markers:
                 recs = json.loads(m.read_text()).get("records", [])
                 for r in recs:
-                    r["error"] = f"the worker process died ({how}) while running this cell"
+                    if wedged:
+                        r["status"] = "timeout"
+                        r["error"] = (f"TimeoutError: the cell ran past the time limit of "
+                                      f"{args.cell_timeout:g} s and its worker did not respond; "
+                                      f"killed after {hard_limit:g} s")
+                    else:
+                        r["error"] = f"the worker process died ({how}) while running this cell"
                 append_jsonl(m.with_suffix(""), recs)
                 m.unlink()
-                print(f"peat: the playback worker died ({how}) in cells "
-                      f"{[(r['checkpoint'], r['site']) for r in recs]}: recorded as crashed; "
-                      "restarting", file=sys.stderr)
+                what = "timed out, worker killed" if wedged else f"the playback worker died ({how})"
+                print(f"peat: {what} in cells {[(r['checkpoint'], r['site']) for r in recs]}: "
+                      f"recorded as {'timeout' if wedged else 'crashed'}; restarting",
+                      file=sys.stderr)
         restarts += 1
         if restarts > 1000:
             print("peat: error: the playback worker kept stopping; giving up", file=sys.stderr)

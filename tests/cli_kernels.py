@@ -30,8 +30,11 @@ def _on_host(out, action):
 
 def _chaos(a, b, **params):
     """Correct except at the small vision workload's backward GEMMs: (10, 32) hangs for 1000 s,
-    (32, 64) kills its process with SIGSEGV (what an out-of-bounds write in a native kernel does)."""
+    (32, 64) kills its process with SIGSEGV (what an out-of-bounds write in a native kernel does),
+    (16, 64) hangs without ever releasing the GIL (a catastrophic regular expression), so not
+    even the worker's own watchdog can run."""
     import os
+    import re
     import signal
     import time
     out = jax.lax.dot_general(a, b, **params)
@@ -39,6 +42,8 @@ def _chaos(a, b, **params):
         return _on_host(out, lambda: time.sleep(1000))
     if out.shape == (32, 64):
         return _on_host(out, lambda: os.kill(os.getpid(), signal.SIGSEGV))
+    if out.shape == (16, 64):
+        return _on_host(out, lambda: re.match(r"(a+)+$", "a" * 64 + "b"))
     return out
 
 

@@ -504,6 +504,8 @@ def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
                     ).to_record() for s in group]})
                     outs = _with_time_limit(lambda g=group: jax.block_until_ready(
                         dispatch(g, state, batch)), cell_timeout)
+                    if outs is not _TIMED_OUT:
+                        running.unlink(missing_ok=True)  # the candidate's part is over
                     if outs is _TIMED_OUT:
                         msg = (f"TimeoutError: the cell ran longer than the time limit of "
                                f"{cell_timeout:g} s")
