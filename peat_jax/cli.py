@@ -8,6 +8,7 @@
   peat runtime RUN_DIR (--kernel K | --fault F) (--every N [--offset O] | --at-steps S,... |
                --probability P) [--steps N]
   peat check KERNEL [--shapes 64x32,32x16] [--dtype float32]   a kernel against XLA
+  peat playback ... --cell-timeout S           campaign in a restartable worker process
   peat report RUN_DIR                          (re)write RUN_DIR/report.html
 
 TARGET: a bundled workload name, or `module.path:attribute` naming a `peat.Workload` or a
@@ -40,6 +41,29 @@ KERNELS: dict[str, Callable[[], "peat.Kernel"]] = {
     "blocked_matmul": lambda: peat.kernels.blocked_matmul(),
     "xla_matmul": lambda: peat.kernels.xla_matmul(),
     "ffi_matmul": lambda: peat.kernels.ffi_matmul(),
+}
+
+
+def _layer_norm_reference(x, scale, bias, eps: float = 1e-6):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
+
+
+def _attention_reference(q, k, v):
+    from flax import linen as nn
+    return nn.dot_product_attention(q, k, v)
+
+
+# Bundled region kernels that `peat check` runs against their XLA references: factory,
+# reference, default operand shapes.
+REGION_KERNELS: dict[str, tuple[Callable[[], "peat.Kernel"], Callable, str]] = {
+    "pallas_softmax": (lambda: peat.kernels.pallas_softmax(),
+                       lambda x: jax.nn.softmax(x, axis=-1), "67x45"),
+    "pallas_layer_norm": (lambda: peat.kernels.pallas_layer_norm(), _layer_norm_reference,
+                          "67x45,45,45"),
+    "pallas_attention": (lambda: peat.kernels.pallas_attention(), _attention_reference,
+                         "2x40x2x16,2x40x2x16,2x40x2x16"),
 }
 
 
@@ -403,23 +427,31 @@ def _shapes(text: str) -> list[tuple[int, ...]]:
 
 
 def cmd_check(args) -> int:
-    kernel = _kernel(args.kernel)
-    shapes = _shapes(args.shapes)
+    region = REGION_KERNELS.get(args.kernel)
+    kernel = region[0]() if region else _kernel(args.kernel)
+    shapes = _shapes(args.shapes or (region[2] if region else "67x45,45x33"))
     dtype = jnp.dtype(args.dtype)
     keys = jax.random.split(jax.random.key(args.seed), len(shapes))
     xs = [jax.random.normal(k, s, jnp.float32).astype(dtype) for k, s in zip(keys, shapes)]
-    if kernel.primitive != "dot_general" or len(xs) != 2:
-        raise PeatError(f"peat check runs dot_general kernels on two operands; kernel "
-                        f"{kernel.name!r} serves {kernel.primitive!r}: use "
-                        "peat.check_kernel from Python for other kernels")
-    dims = (((xs[0].ndim - 1,), (0,)), ((), ()))
-    params = {"dimension_numbers": dims, "precision": None, "preferred_element_type": dtype}
+    if region:
+        reference, candidate = region[1], kernel
+        n_args = {"pallas_softmax": 1, "pallas_layer_norm": 3, "pallas_attention": 3}[args.kernel]
+        if len(xs) != n_args:
+            raise PeatError(f"{args.kernel} takes {n_args} operand(s); --shapes gave {len(xs)} "
+                            f"(default {region[2]})")
+    else:
+        if kernel.primitive != "dot_general" or len(xs) != 2:
+            raise PeatError(f"peat check runs dot_general kernels on two operands and the bundled "
+                            f"{', '.join(REGION_KERNELS)}; kernel {kernel.name!r} serves "
+                            f"{kernel.primitive!r}: use peat.check_kernel from Python for others")
+        dims = (((xs[0].ndim - 1,), (0,)), ((), ()))
+        params = {"dimension_numbers": dims, "precision": None, "preferred_element_type": dtype}
 
-    def reference(a, b):
-        return jax.lax.dot_general(a, b, dims, preferred_element_type=dtype)
+        def reference(a, b):
+            return jax.lax.dot_general(a, b, dims, preferred_element_type=dtype)
 
-    def candidate(a, b):
-        return kernel(a, b, **params)
+        def candidate(a, b):
+            return kernel(a, b, **params)
 
     diag = peat.check_kernel(candidate, reference, *xs, allow=tuple(args.allow or ()))
     if args.json:
@@ -587,8 +619,11 @@ def build_parser() -> argparse.ArgumentParser:
     rt.set_defaults(func=cmd_runtime)
 
     ck = sub.add_parser("check", help="check a matmul kernel against XLA, forward and backward")
-    ck.add_argument("kernel", help=f"bundled kernel ({', '.join(KERNELS)}) or module:attribute")
-    ck.add_argument("--shapes", default="67x45,45x33", help="operand shapes (default 67x45,45x33)")
+    ck.add_argument("kernel", help=f"bundled kernel ({', '.join([*KERNELS, *REGION_KERNELS])}) "
+                                   "or module:attribute (a dot_general kernel)")
+    ck.add_argument("--shapes", help="operand shapes (default 67x45,45x33 for matmuls; 67x45 for "
+                                     "softmax, 67x45,45,45 for layer norm, 2x40x2x16 (x3) for "
+                                     "attention)")
     ck.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ck.add_argument("--allow", action="append", help="an error model to accept (repeatable)")
     common(ck)

@@ -69,8 +69,18 @@ def test_check_fails_on_a_buggy_kernel_with_the_diagnosis():
     assert ok.returncode == 0 and json.loads(ok.stdout)["passed"] is True
 
 
+def test_check_runs_a_bundled_region_kernel_against_its_reference():
+    r = peat("check", "pallas_softmax", "--shapes", "19x24", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(r.stdout)
+    assert d["passed"] and d["model"] in ("exact", "numerical_noise")
+    outputs = {(variant, output) for variant, output, _ in d["evidence"]["checks"]}
+    assert {("example", "forward"), ("example", "grad[0]"), ("outliers", "grad[0]")} <= outputs
+
+
 @pytest.mark.parametrize("args,needle", [
     (["bogus"], "invalid choice"),
+    (["check", "pallas_layer_norm", "--shapes", "8x4"], "takes 3 operand(s)"),
     (["demo", "--steps", "0"], "positive integer"),
     (["sites", "no_such_workload"], "neither a bundled name nor module.path:attribute"),
     (["check", "no_such_kernel"], "unknown kernel 'no_such_kernel'"),
