@@ -14,20 +14,15 @@ import numpy as np
 import pytest
 
 import peat_jax as peat
-from peat_jax import models
-from peat_jax.profiler.golden import profile
 from peat_jax.profiler.playback import CellTimeout, playback
 from peat_jax.profiler.rundir import to_json
 
 TESTS = pathlib.Path(__file__).parent
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    wl = models.get("vision", batch_size=16, width=8, hidden=32)
-    path = tmp_path_factory.mktemp("iso") / "run"
-    profile(wl, path, steps=40, checkpoint_every=20)
-    return path
+@pytest.fixture
+def run(small_vision_run):
+    return small_vision_run
 
 
 def _host_raise(out):

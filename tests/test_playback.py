@@ -13,12 +13,9 @@ from peat_jax.profiler.golden import profile
 from peat_jax.profiler.playback import playback
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    wl = models.get("vision", batch_size=16, width=8, hidden=32)
-    path = tmp_path_factory.mktemp("pb") / "run"
-    profile(wl, path, steps=60, checkpoint_every=20)
-    return path
+@pytest.fixture
+def run(small_vision_run):
+    return small_vision_run
 
 
 def _reference_dot(a, b, **params):
