@@ -197,6 +197,14 @@ def _drop_orbax_leftovers() -> None:
 
     hook._peat_drops_orbax = True
     sys.unraisablehook = hook
+    # ... and the same reads' failures, logged by asyncio when their gathering future is dropped
+    logging.getLogger("asyncio").addFilter(_drop_abandoned_reads)
+
+
+def _drop_abandoned_reads(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not ("exception was never retrieved" in message
+                and "while reading array index" in message)
 
 
 def _record_digest(rd: RunDir, identity: dict, step: int, state) -> None:
