@@ -65,9 +65,13 @@ def main(argv=None) -> None:
 
     candidates = {"pallas_matmul": pk.pallas_matmul(), "ffi_matmul": peat.kernels.ffi_matmul()}
     if not opts.no_torch:
-        import torch
-        candidates["torch_matmul"] = peat.kernels.dot_general(
-            peat.kernels.torch_kernel(torch.matmul), name="torch_matmul", batched=True)
+        try:
+            import torch
+        except ImportError:
+            print("torch is not installed (pip install -e '.[torch]'): no PyTorch candidate")
+        else:
+            candidates["torch_matmul"] = peat.kernels.dot_general(
+                peat.kernels.torch_kernel(torch.matmul), name="torch_matmul", batched=True)
     for name, kernel in candidates.items():
         step = peat.substitute(wl.train_step, {"dot_general": kernel})
         sites = step.selected(state, wl.batch(0))

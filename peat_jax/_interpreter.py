@@ -25,8 +25,9 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import jax
 from jax import lax
-from jax._src import core as _core
-from jax._src import source_info_util as _siu
+
+from peat_jax import _jax
+from peat_jax.errors import PeatError
 
 # Compute ops that are sites by default. Pure data movement and plain arithmetic
 # (add, mul, reshape, broadcast, ...) are not; pass primitives="all" to list them too.
@@ -50,9 +51,6 @@ OPAQUE_PRIMITIVES: frozenset[str] = frozenset({
     "io_callback", "mosaic_gpu_call",
 })
 
-_INLINE_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
-                           "custom_vjp_call", "custom_vjp_call_jaxpr"})
-_REMAT = frozenset({"remat2", "checkpoint", "remat"})
 
 REGION_PREFIX = "peat_region__"
 REGION_BWD_PREFIX = "peat_region_bwd__"
@@ -99,27 +97,11 @@ def clean_path(name_stack: str) -> str:
 
 
 def _sub_jaxprs(eqn) -> list[tuple[str, Any]]:
-    """The (param name, closed-or-open jaxpr) pairs that `eqn` evaluates, in visiting order."""
-    name = eqn.primitive.name
-    if name in OPAQUE_PRIMITIVES:
-        return []
-    p = eqn.params
-    if name == "cond":
-        return [("branches", b) for b in p["branches"]]
-    if name == "while":
-        return [("cond_jaxpr", p["cond_jaxpr"]), ("body_jaxpr", p["body_jaxpr"])]
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        if key in p and _is_jaxpr(p[key]):
-            return [(key, p[key])]
-    return []
+    """The (param name, jaxpr) pairs that `eqn` evaluates, in visiting order."""
+    return _jax.sub_jaxprs(eqn, OPAQUE_PRIMITIVES)
 
 
-def _is_jaxpr(v) -> bool:
-    return isinstance(v, (_core.Jaxpr, _core.ClosedJaxpr))
-
-
-def _open(j):
-    return j.jaxpr if isinstance(j, _core.ClosedJaxpr) else j
+_open = _jax.jaxpr_body
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,13 +155,12 @@ class Program:
         plan = self.plan(jaxpr)
         for i, eqn in enumerate(jaxpr.eqns):
             idx = base + plan.offsets[i]
-            eqn_stack = _join(stack, str(eqn.source_info.name_stack))
+            eqn_stack = _join(stack, _jax.name_stack(eqn))
             reg = region_of(eqn)
             if plan.is_site[i]:
                 yield Op(idx, eqn, eqn_stack, containers, reg, repeats)
                 idx += 1
-            inner_repeats = repeats * int(eqn.params.get("length", 1)) \
-                if eqn.primitive.name == "scan" else repeats
+            inner_repeats = repeats * _jax.scan_length(eqn)
             inner_stack = _join(eqn_stack, reg[0]) if reg else eqn_stack
             if reg and reg[1]:
                 inner_stack = _join(eqn_stack, f"transpose({reg[0]})")
@@ -241,14 +222,7 @@ def _has_selected(selected: Sequence[int], lo: int, hi: int) -> bool:
     return k < len(selected) and selected[k] < hi
 
 
-def _bind(eqn, invals):
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    if isinstance(bind_params, tuple):  # (subfuns, params)
-        subfuns, params = bind_params
-        out = eqn.primitive.bind(*subfuns, *invals, **params)
-    else:
-        out = eqn.primitive.bind(*invals, **bind_params)
-    return list(out) if eqn.primitive.multiple_results else [out]
+_bind = _jax.bind
 
 
 def _eval(ctx: _Ctx, jaxpr, consts, args, base, stack, containers, sides) -> list:
@@ -257,7 +231,7 @@ def _eval(ctx: _Ctx, jaxpr, consts, args, base, stack, containers, sides) -> lis
     env: dict = {}
 
     def read(v):
-        return v.val if isinstance(v, _core.Literal) else env[v]
+        return v.val if isinstance(v, _jax.Literal) else env[v]
 
     for v, x in zip(jaxpr.constvars, consts):
         env[v] = x
@@ -266,9 +240,8 @@ def _eval(ctx: _Ctx, jaxpr, consts, args, base, stack, containers, sides) -> lis
     for i, eqn in enumerate(jaxpr.eqns):
         idx = base + plan.offsets[i]
         invals = [read(v) for v in eqn.invars]
-        eqn_stack = _join(stack, str(eqn.source_info.name_stack))
-        name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
-        with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        eqn_stack = _join(stack, _jax.name_stack(eqn))
+        with _jax.eqn_context(eqn):
             if not _has_selected(ctx.selected, idx, idx + plan.counts[i]):
                 outs = _bind(eqn, invals)
             elif plan.is_site[i] and idx in ctx.rules:
@@ -295,33 +268,31 @@ def _reference(eqn, *invals) -> list:
 def _rebuild(ctx: _Ctx, eqn, invals, base, stack, containers, sides) -> list:
     """Evaluate a container equation with substitutions inside it."""
     name = eqn.primitive.name
-    p = eqn.params
     reg = region_of(eqn)
     inner_stack = _join(stack, reg[0]) if reg else stack
     inner = containers + (name,)
 
     def run(j, b, vals, sub_sides):
-        consts = j.consts if isinstance(j, _core.ClosedJaxpr) else []
-        return _eval(ctx, j, consts, list(vals), b, inner_stack, inner, sub_sides)
+        return _eval(ctx, j, _jax.jaxpr_consts(j), list(vals), b, inner_stack, inner, sub_sides)
 
-    if name in _INLINE_CALLS:
-        (_, j), = _sub_jaxprs(eqn)
+    if name in _jax.INLINE_CALLS:
+        j = _jax.call_body(eqn)
         n_in = len(_open(j).invars)
         return run(j, base, invals[len(invals) - n_in:], sides)
-    if name in _REMAT:
-        j = p["jaxpr"]
+    if name in _jax.REMAT:
+        rm = _jax.remat_layout(eqn)
+        j = rm.jaxpr
 
         def fn(*a):
             inner_sides: dict = {}
             return run(j, base, a, inner_sides), inner_sides
 
-        outs, inner_sides = jax.checkpoint(fn, prevent_cse=p.get("prevent_cse", True),
-                                           policy=p.get("policy"))(*invals)
+        outs, inner_sides = jax.checkpoint(fn, prevent_cse=rm.prevent_cse, policy=rm.policy)(*invals)
         sides.update(inner_sides)
         return list(outs)
     if name == "scan":
-        j = p["jaxpr"]
-        nc, nk = p["num_consts"], p["num_carry"]
+        sc = _jax.scan_layout(eqn)
+        j, nc, nk = sc.jaxpr, sc.num_consts, sc.num_carry
         consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
 
         def body(carry, x):
@@ -329,14 +300,14 @@ def _rebuild(ctx: _Ctx, eqn, invals, base, stack, containers, sides) -> list:
             outs = run(j, base, list(consts) + list(carry) + list(x), inner_sides)
             return outs[:nk], (outs[nk:], inner_sides)
 
-        carry, (ys, stacked) = lax.scan(body, list(init), list(xs), length=p["length"],
-                                        reverse=p["reverse"], unroll=p["unroll"])
+        carry, (ys, stacked) = lax.scan(body, list(init), list(xs), length=sc.length,
+                                        reverse=sc.reverse, unroll=sc.unroll)
         for k, v in stacked.items():
             sides[k] = ctx.reducers[k](v)
         return list(carry) + list(ys)
     if name == "while":
-        cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
-        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        wl = _jax.while_layout(eqn)
+        cj, bj, cn, bn = wl.cond_jaxpr, wl.body_jaxpr, wl.cond_nconsts, wl.body_nconsts
         cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
         body_base = base + ctx.program.plan(cj).total
         out = lax.while_loop(lambda c: run(cj, base, list(cconsts) + list(c), {})[0],
@@ -346,10 +317,10 @@ def _rebuild(ctx: _Ctx, eqn, invals, base, stack, containers, sides) -> list:
     if name == "cond":
         index, ops = invals[0], invals[1:]
         fns, b = [], base
-        for br in p["branches"]:
+        for br in _jax.cond_branches(eqn):
             fns.append(functools.partial(lambda j, bb, *a: run(j, bb, a, {}), br, b))
             b += ctx.program.plan(br).total
         return list(lax.switch(index, fns, *ops))
-    raise NotImplementedError(
-        f"peat_jax cannot substitute inside a `{name}` equation yet (site index {base}); "
-        "select a site outside it")
+    raise PeatError(
+        f"peat_jax cannot substitute inside a `{name}` equation (site index {base}): it has no "
+        "rule to rebuild that container; select a site outside it")

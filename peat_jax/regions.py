@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import jax
 
 from peat_jax import _interpreter as _ip
+from peat_jax import _jax
 from peat_jax.errors import PeatError
 
 __all__ = ["region", "flax_regions", "RegionInfo", "region_info"]
@@ -155,7 +156,7 @@ def _inside_region():
 
 
 def _is_array(x) -> bool:
-    return isinstance(x, (jax.Array, jax.core.Tracer)) or hasattr(x, "__jax_array__") or \
+    return isinstance(x, jax.Array) or _jax.is_tracer(x) or hasattr(x, "__jax_array__") or \
         type(x).__module__ == "numpy"
 
 

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from peat_jax import _interpreter as _ip
+from peat_jax import _jax
 from peat_jax import regions as _regions
 from peat_jax.errors import PeatError
 
@@ -124,7 +125,7 @@ _DYNAMIC_SCALARS = (bool, int, float, complex)
 
 def _is_dynamic(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, _DYNAMIC_SCALARS)) or \
-        isinstance(x, jax.core.Tracer)
+        _jax.is_tracer(x)
 
 
 @dataclasses.dataclass

@@ -18,6 +18,7 @@ import numpy as np
 from jax import lax
 
 from peat_jax import _interpreter as _ip
+from peat_jax import _jax
 from peat_jax import regions as _regions
 from peat_jax.errors import PeatError
 from peat_jax.faults import Fault
@@ -84,11 +85,7 @@ def _fault_seed(f: Fault) -> int:
     return int(f.params.get("seed", 0) or 0)
 
 
-def _is_differentiating(vals) -> bool:
-    from jax._src.interpreters import ad
-    types = tuple(t for t in (getattr(ad, "JVPTracer", None), getattr(ad, "LinearizeTracer", None))
-                  if t is not None)
-    return any(isinstance(v, types) for v in vals)
+_is_differentiating = _jax.is_differentiating
 
 
 def _run_candidate(cand: Candidate, site: Site, vals: Sequence[Any], reference, key) -> list:

@@ -32,6 +32,7 @@ from typing import Any, Callable, Literal, Optional, Sequence, Union
 import jax
 from jax.experimental import pallas as pl
 
+from peat_jax import _jax
 from peat_jax.errors import PeatError
 
 __all__ = ["InterpretChecks", "Checks", "interpret_mode", "call", "races_found",
@@ -167,9 +168,7 @@ def call(body: Callable, *, out_shape: Any, grid: Sequence[int], in_specs: Any, 
 # Race reports
 
 
-def _interp_module():
-    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-    return interpret_pallas_call
+_interp_module = _jax.pallas_interpreter
 
 
 def races_found() -> bool:

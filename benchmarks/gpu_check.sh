@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU check: what a person with a GPU runs (under 6 minutes on one H200) to see that peat_jax
+# holds there. It runs `peat demo` on the vision and the language workload, `peat check` of every
+# bundled kernel, and the core, analyzer and profiler benchmarks (each prints its one JSON line).
+# Ends with one JSON line: each step's exit status and seconds, the jax version and the device.
+#
+#   bash benchmarks/gpu_check.sh            # PYTHON=... to choose the interpreter
+#   PEAT_GPU_OUT=DIR keeps the run directories and logs in DIR (default: a temporary folder)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${PEAT_GPU_OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+STEPS=()
+
+step() {  # step NAME LIMIT_S CMD...: run, print its output, record rc and seconds
+  local name=$1 limit=$2; shift 2
+  local t0 rc
+  echo "=== $name"
+  t0=$EPOCHREALTIME
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  rc=${PIPESTATUS[0]}
+  STEPS+=("$(awk -v n="$name" -v rc="$rc" -v a="$t0" -v b="$EPOCHREALTIME" \
+    'BEGIN { printf "\"%s\": {\"rc\": %d, \"s\": %.1f}", n, rc, b - a }')")
+}
+
+"$PY" -c "import jax; print('jax', jax.__version__, jax.devices())" | tee "$OUT/devices.log"
+step demo_vision 120 "$PY" -m peat_jax demo --out "$OUT/demo-vision"
+step demo_language 150 "$PY" -m peat_jax demo --workload language --steps 20 --out "$OUT/demo-language"
+for k in pallas_matmul blocked_matmul xla_matmul ffi_matmul pallas_softmax pallas_layer_norm pallas_attention; do
+  step "check_$k" 60 "$PY" -m peat_jax check "$k"
+done
+for b in bench_core bench_analyze bench_profiler; do
+  step "$b" 240 "$PY" "benchmarks/$b.py"
+done
+
+DEVICE=$("$PY" -c "import jax; d = jax.devices()[0]; print(d.platform + ': ' + d.device_kind)" 2>/dev/null)
+JAXV=$("$PY" -c "import jax; print(jax.__version__)" 2>/dev/null)
+(IFS=,; echo "{\"gpu_check\": {${STEPS[*]}}, \"jax\": \"$JAXV\", \"device\": \"$DEVICE\", \"out\": \"$OUT\"}")

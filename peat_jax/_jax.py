@@ -1,0 +1,273 @@
+"""The one module that touches jax internals.
+
+Everything peat_jax needs from jax beyond its documented API lives here: the jaxpr types, the
+parameters of the container equations (`scan`, `while`, `cond`, `jit`/`pjit`, `remat`, the custom
+derivative calls), name stacks and source info, tracer types, and the Pallas interpreter. Public
+names (`jax.extend.core`) are used wherever they exist; where an equation's layout changed between
+releases it is read through one small accessor here, and a layout that no accessor knows raises a
+`PeatError` naming the primitive, the running jax and the tested range (never a bare KeyError).
+
+Releases read before adapting: jax 0.10.2, 0.11.2, 0.12.0.1 (`jax/_src/core.py`,
+`jax/_src/lax/control_flow/loops.py`, `jax/_src/flattree.py`). What changed among them:
+- 0.11: `ClosedJaxpr` became an alias of `Jaxpr` (a jaxpr with its constants attached), and
+  `jax.make_jaxpr` and the container params hold such jaxprs; `jaxpr.jaxpr` returns the jaxpr itself.
+  0.12 removed `jax._src.core.ClosedJaxpr` (the public alias `jax.extend.core.ClosedJaxpr` stays).
+- 0.11: `scan` lost `num_consts` / `num_carry` (and `linear`, `_split_transpose`); its operands
+  are described by `ft_in` (a FlatTree of (consts, carry, xs)) and its results by `ft_out`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import warnings
+from typing import Any, Iterator, Optional, Sequence
+
+import jax
+import jax.extend.core as jex
+
+from peat_jax.errors import PeatError
+
+__all__ = [
+    "JAX_VERSION", "TESTED_RANGE", "Literal", "ScanLayout", "WhileLayout", "bind",
+    "call_body", "cond_branches", "eqn_context", "is_differentiating", "is_jaxpr", "is_tracer",
+    "jaxpr_body", "jaxpr_consts", "name_stack", "pallas_interpreter", "remat_layout",
+    "scan_layout", "sub_jaxprs", "unsupported", "while_layout",
+]
+
+JAX_VERSION: str = jax.__version__
+# Releases the test suite runs on: at least the first, below the second.
+TESTED_RANGE: tuple[str, str] = ("0.10.2", "0.13")
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+        if digits != part:
+            break
+    return tuple(out)
+
+
+def is_tested_version(version: str = JAX_VERSION) -> bool:
+    """True when `version` lies in TESTED_RANGE."""
+    lo, hi = (_version_tuple(v) for v in TESTED_RANGE)
+    return lo <= _version_tuple(version) < hi
+
+
+def _range_text() -> str:
+    return f">={TESTED_RANGE[0]},<{TESTED_RANGE[1]}"
+
+
+if not is_tested_version():
+    warnings.warn(
+        f"peat_jax is tested with jax {_range_text()}; this is jax {JAX_VERSION}. It will work "
+        "wherever the program's equations look as they did in the tested releases, and raise a "
+        "PeatError naming the equation where they do not.", UserWarning, stacklevel=2)
+
+
+def unsupported(primitive: str, what: str) -> PeatError:
+    """The error for an equation layout that peat_jax does not know."""
+    return PeatError(
+        f"peat_jax cannot read the `{primitive}` equation on jax {JAX_VERSION}: {what}. "
+        f"peat_jax is tested with jax {_range_text()}; install a release in that range, or report "
+        "this message with your jax version.")
+
+
+# --------------------------------------------------------------------------------------------
+# Jaxpr types
+
+Literal = jex.Literal
+_MERGED_CLOSED = jex.ClosedJaxpr is jex.Jaxpr   # jax >= 0.11: one type for open and closed
+
+
+def is_jaxpr(v: Any) -> bool:
+    """True for a jaxpr, open or closed, on any supported release."""
+    return isinstance(v, (jex.Jaxpr, jex.ClosedJaxpr))
+
+
+def jaxpr_body(j: Any) -> Any:
+    """The jaxpr whose `constvars`, `invars`, `eqns` and `outvars` are evaluated."""
+    if not _MERGED_CLOSED and isinstance(j, jex.ClosedJaxpr):
+        return j.jaxpr
+    return j
+
+
+def jaxpr_consts(j: Any) -> list:
+    """The constant values attached to `j` (bound to its `constvars`); [] for an open jaxpr."""
+    if _MERGED_CLOSED or isinstance(j, jex.ClosedJaxpr):
+        return list(j.consts)
+    return []
+
+
+# --------------------------------------------------------------------------------------------
+# Equations
+
+def name_stack(eqn) -> str:
+    """The equation's name stack as text (relative to its enclosing equation)."""
+    return str(eqn.source_info.name_stack)
+
+
+def bind(eqn, invals: Sequence[Any]) -> list:
+    """Evaluate `eqn` on `invals` exactly as it was traced; its outputs as a list."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(bind_params, tuple):  # (subfuns, params)
+        subfuns, params = bind_params
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+    else:
+        out = eqn.primitive.bind(*invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+@contextlib.contextmanager
+def eqn_context(eqn) -> Iterator[None]:
+    """Re-evaluate under the equation's own source info, name stack and context (mesh, ...), so
+    that what is traced inside keeps its module path."""
+    from jax._src import source_info_util as siu
+    stack = siu.current_name_stack() + eqn.source_info.name_stack
+    with siu.user_context(eqn.source_info.traceback, name_stack=stack), eqn.ctx.manager:
+        yield
+
+
+# --------------------------------------------------------------------------------------------
+# Container equations: their sub-jaxprs and layouts
+
+INLINE_CALLS: frozenset[str] = frozenset({
+    "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+    "custom_vjp_call_jaxpr"})
+REMAT: frozenset[str] = frozenset({"remat2", "checkpoint", "remat"})
+
+
+def sub_jaxprs(eqn, opaque: frozenset[str] = frozenset()) -> list[tuple[str, Any]]:
+    """The (param name, jaxpr) pairs that `eqn` evaluates, in visiting order; [] for a leaf or
+    for a primitive in `opaque` (a kernel whose body is not part of the XLA graph)."""
+    name = eqn.primitive.name
+    if name in opaque:
+        return []
+    p = eqn.params
+    if name == "cond":
+        return [("branches", b) for b in cond_branches(eqn)]
+    if name == "while":
+        w = while_layout(eqn)
+        return [("cond_jaxpr", w.cond_jaxpr), ("body_jaxpr", w.body_jaxpr)]
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        if key in p and is_jaxpr(p[key]):
+            return [(key, p[key])]
+    return []
+
+
+def call_body(eqn) -> Any:
+    """The jaxpr of an inlinable call (`jit`, `closed_call`, a custom derivative call)."""
+    subs = sub_jaxprs(eqn)
+    if len(subs) != 1:
+        raise unsupported(eqn.primitive.name, f"expected one body jaxpr, found params "
+                          f"{sorted(eqn.params)}")
+    return subs[0][1]
+
+
+def cond_branches(eqn) -> tuple:
+    try:
+        return tuple(eqn.params["branches"])
+    except KeyError:
+        raise unsupported("cond", f"no `branches` param (params {sorted(eqn.params)})") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanLayout:
+    """A `scan` equation's operands: `num_consts` consts, `num_carry` carries, then the xs."""
+
+    jaxpr: Any
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: Any
+
+
+def scan_layout(eqn) -> ScanLayout:
+    """How a `scan` equation's operands split, on any supported release."""
+    p = eqn.params
+    try:
+        if "num_consts" in p:                        # jax < 0.11
+            nc, nk = int(p["num_consts"]), int(p["num_carry"])
+        elif "ft_in" in p:                           # jax >= 0.11: FlatTree of (consts, carry, xs)
+            parts = p["ft_in"].unpack()
+            if len(parts) != 3:
+                raise unsupported("scan", f"`ft_in` has {len(parts)} parts, expected 3")
+            nc, nk = len(parts[0]), len(parts[1])
+        else:
+            raise unsupported("scan", f"no operand layout in params {sorted(p)}")
+        return ScanLayout(jaxpr=p["jaxpr"], num_consts=nc, num_carry=nk, length=int(p["length"]),
+                          reverse=bool(p["reverse"]), unroll=p.get("unroll", 1))
+    except (KeyError, AttributeError, TypeError) as e:
+        raise unsupported("scan", f"{type(e).__name__}: {e} (params {sorted(p)})") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class WhileLayout:
+    cond_jaxpr: Any
+    body_jaxpr: Any
+    cond_nconsts: int
+    body_nconsts: int
+
+
+def while_layout(eqn) -> WhileLayout:
+    p = eqn.params
+    try:
+        return WhileLayout(cond_jaxpr=p["cond_jaxpr"], body_jaxpr=p["body_jaxpr"],
+                           cond_nconsts=int(p["cond_nconsts"]),
+                           body_nconsts=int(p["body_nconsts"]))
+    except KeyError as e:
+        raise unsupported("while", f"no {e} param (params {sorted(p)})") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RematLayout:
+    jaxpr: Any
+    prevent_cse: bool
+    policy: Optional[Any]
+
+
+def remat_layout(eqn) -> RematLayout:
+    p = eqn.params
+    if "jaxpr" not in p:
+        raise unsupported(eqn.primitive.name, f"no `jaxpr` param (params {sorted(p)})")
+    return RematLayout(jaxpr=p["jaxpr"], prevent_cse=bool(p.get("prevent_cse", True)),
+                       policy=p.get("policy"))
+
+
+def scan_length(eqn) -> int:
+    """Iterations of a `scan` equation (1 for any other equation)."""
+    return scan_layout(eqn).length if eqn.primitive.name == "scan" else 1
+
+
+# --------------------------------------------------------------------------------------------
+# Tracers
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+@functools.lru_cache(maxsize=None)
+def _differentiation_tracers() -> tuple[type, ...]:
+    from jax._src.interpreters import ad
+    return tuple(t for t in (getattr(ad, "JVPTracer", None), getattr(ad, "LinearizeTracer", None))
+                 if t is not None)
+
+
+def is_differentiating(vals: Sequence[Any]) -> bool:
+    """True when any of `vals` is being differentiated (a JVP or linearize tracer)."""
+    types = _differentiation_tracers()
+    return any(isinstance(v, types) for v in vals)
+
+
+# --------------------------------------------------------------------------------------------
+# Pallas
+
+def pallas_interpreter():
+    """The module of Pallas' checked (TPU-style) interpreter, which holds its race state."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+    return interpret_pallas_call
