@@ -32,7 +32,7 @@ from peat_jax import models
 from peat_jax.analyzer import analyze
 from peat_jax.detector import detect
 from peat_jax.profiler.golden import profile, restore
-from peat_jax.profiler.playback import _effect, playback
+from peat_jax.profiler.playback import diagnose_effect, playback
 
 
 def _bytes(shapes, dtypes) -> int:
@@ -74,7 +74,7 @@ def main() -> None:
                 if rec["checkpoint"] != ckpt:
                     continue
                 got = jax.jit(peat.substitute(wl.train_step, {rec["site"]: kernel}))(state, batch)
-                _effect(analyze, detect, (golden[0], golden[1]), (got[0], got[1]))
+                diagnose_effect((golden[0], golden[1]), (got[0], got[1]))
             dt = time.perf_counter() - t0
             t_re += dt
             if ckpt == 10:

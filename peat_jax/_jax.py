@@ -29,7 +29,7 @@ import jax.extend.core as jex
 from peat_jax.errors import PeatError
 
 __all__ = [
-    "JAX_VERSION", "TESTED_RANGE", "Literal", "ScanLayout", "WhileLayout", "bind",
+    "JAX_VERSION", "TESTED_RANGE", "Literal", "ScanLayout", "WhileLayout", "bind", "cache_size",
     "call_body", "cond_branches", "eqn_context", "is_differentiating", "is_jaxpr", "is_tracer",
     "jaxpr_body", "jaxpr_consts", "name_stack", "pallas_interpreter", "remat_layout",
     "scan_layout", "sub_jaxprs", "unsupported", "while_layout",
@@ -262,6 +262,14 @@ def is_differentiating(vals: Sequence[Any]) -> bool:
     """True when any of `vals` is being differentiated (a JVP or linearize tracer)."""
     types = _differentiation_tracers()
     return any(isinstance(v, types) for v in vals)
+
+
+# --------------------------------------------------------------------------------------------
+# Compiled functions
+
+def cache_size(jitted: Any) -> int:
+    """Executables a `jax.jit`-wrapped function has compiled so far."""
+    return jitted._cache_size()
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,6 +34,9 @@ import numpy as np
 import peat_jax as peat
 from peat_jax import models
 from peat_jax.errors import PeatError
+from peat_jax.profiler import supervisor
+from peat_jax.profiler.campaign import Campaign, campaign_name
+from peat_jax.profiler.rundir import RunDir
 
 # Bundled kernels by name: factory, and the primitive or region its reference lowers to.
 KERNELS: dict[str, Callable[[], "peat.Kernel"]] = {
@@ -285,35 +288,33 @@ def _cells_table(title: str, records: list[dict]):
     return t
 
 
-def _playback(args, run_dir, cand, sites, checkpoints, name, progress) -> tuple[list[dict], Any]:
-    res = peat.playback(run_dir, {sites: cand}, checkpoints=checkpoints, name=name,
-                        progress=progress, cell_timeout=getattr(args, "cell_timeout", None))
-    return res.records(), res
-
-
-# Exit status of a playback worker that stopped at a timed-out cell (recorded): restart it.
-_EXIT_RESTART = 75
-
-
 def cmd_playback(args) -> int:
     cand = _candidate(args)
     sel = _selector(args.sites, "dot_general")
     if args.cell_timeout is not None and not args.worker:
         return _supervise(args, cand, sel)
     with _Progress(not args.json) as p:
-        try:
-            records, res = _playback(args, args.run_dir, cand, sel,
-                                     _ints(args.checkpoints, "--checkpoints"), args.name,
-                                     p.task("playback cells"))
-        except peat.profiler.playback.CellTimeout as e:
-            if not args.worker:
-                raise
-            print(f"peat: {e}", file=sys.stderr)
-            sys.stderr.flush()
-            sys.stdout.flush()
-            import os
-            os._exit(_EXIT_RESTART)  # a hung computation may block a normal exit
+        res = _playback(args, cand, sel, p.task("playback cells"))
     peat.report.write_report(args.run_dir)
+    _print_playback(args, cand, res)
+    return 1 if res.failing("local") else 0
+
+
+def _playback(args, cand, sel, progress) -> "peat.PlaybackResult":
+    """The campaign; in a worker, a cell past its time limit ends the process so that the
+    supervisor starts the next one."""
+    try:
+        return peat.playback(args.run_dir, {sel: cand},
+                             checkpoints=_ints(args.checkpoints, "--checkpoints"), name=args.name,
+                             progress=progress, cell_timeout=args.cell_timeout)
+    except peat.CellTimeout as e:
+        if not args.worker:
+            raise
+        supervisor.exit_for_restart(str(e))
+
+
+def _print_playback(args, cand, res) -> None:
+    records = res.records()
     failing = res.failing("local")
     first = res.first_divergence()
     counts = res.summary()
@@ -321,81 +322,25 @@ def cmd_playback(args) -> int:
         print(json.dumps({"campaign": res.campaign, "cells": records, "failing": len(failing),
                           "first_divergence": first, "compiles": res.compiles,
                           "summary": counts}))
-    else:
-        _console().print(_cells_table(f"playback of {getattr(cand, 'name', cand)}", records))
-        if first:
-            what = (first["local"]["summary"] if first.get("local") else
-                    first.get("error") or (first.get("effect") or {}).get("summary", ""))
-            _say(args, f"[red]first divergence: step {first['checkpoint']}, site #{first['site']} "
-                       f"({first['phase']} {first['primitive']} @ {first['path']}): {what}[/]")
-        broken = "".join(f", {counts[k]} {k}" for k in ("crashed", "timeout") if counts[k])
-        _say(args, f"{len(records) - len(failing)}/{len(records)} cells pass locally{broken}; "
-                   f"results {res.campaign}/; report {args.run_dir}/report.html")
-    return 1 if failing else 0
+        return
+    _console().print(_cells_table(f"playback of {getattr(cand, 'name', cand)}", records))
+    if first:
+        what = (first["local"]["summary"] if first.get("local") else
+                first.get("error") or (first.get("effect") or {}).get("summary", ""))
+        _say(args, f"[red]first divergence: step {first['checkpoint']}, site #{first['site']} "
+                   f"({first['phase']} {first['primitive']} @ {first['path']}): {what}[/]")
+    broken = "".join(f", {counts[k]} {k}" for k in ("crashed", "timeout") if counts[k])
+    _say(args, f"{len(records) - len(failing)}/{len(records)} cells pass locally{broken}; "
+               f"results {res.campaign}/; report {args.run_dir}/report.html")
 
 
 def _supervise(args, cand, sel) -> int:
-    """`peat playback --cell-timeout S`: run the campaign in a worker process and restart it
-    when a cell times out (the worker records it and exits) or the worker dies (a crashing
-    kernel: the cells it was running are recorded as crashed from their marker file). Every
-    restart resumes the campaign; the last worker's output and exit status are the command's."""
-    import pathlib
-    import signal
-    import subprocess
-
-    from peat_jax.profiler.playback import _campaign_name
-    from peat_jax.profiler.rundir import RunDir, append_jsonl
-
-    camp = RunDir(args.run_dir).campaign(args.name or _campaign_name({sel: cand}))
-    argv = [sys.executable, "-m", "peat_jax", *args.argv, "--worker"]
-    # The worker times its cells itself; this is the backstop for a worker too wedged to (a
-    # hang holding the GIL): a cell marker older than this is killed with its worker.
-    hard_limit = 2 * args.cell_timeout + 10
-    restarts = 0
-    while True:
-        for stale in pathlib.Path(camp).glob("*.running"):  # left by an interrupted run
-            stale.unlink()
-        proc = subprocess.Popen(argv)
-        wedged = False
-        while True:
-            try:
-                rc = proc.wait(timeout=0.5)
-                break
-            except subprocess.TimeoutExpired:
-                now = time.time()
-                if any(now - m.stat().st_mtime > hard_limit
-                       for m in pathlib.Path(camp).glob("*.running") if m.exists()):
-                    wedged = True
-                    proc.kill()
-        if rc in (0, 1, 2) and not wedged:
-            return rc
-        markers = sorted(pathlib.Path(camp).glob("*.running"))
-        if rc != _EXIT_RESTART or wedged:
-            if not markers:
-                print(f"peat: error: the playback worker exited with status {rc} outside any "
-                      "cell; see its messages above", file=sys.stderr)
-                return 2
-            how = (f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}")
-            for m in markers:
-                recs = json.loads(m.read_text()).get("records", [])
-                for r in recs:
-                    if wedged:
-                        r["status"] = "timeout"
-                        r["error"] = (f"TimeoutError: the cell ran past the time limit of "
-                                      f"{args.cell_timeout:g} s and its worker did not respond; "
-                                      f"killed after {hard_limit:g} s")
-                    else:
-                        r["error"] = f"the worker process died ({how}) while running this cell"
-                append_jsonl(m.with_suffix(""), recs)
-                m.unlink()
-                what = "timed out, worker killed" if wedged else f"the playback worker died ({how})"
-                print(f"peat: {what} in cells {[(r['checkpoint'], r['site']) for r in recs]}: "
-                      f"recorded as {'timeout' if wedged else 'crashed'}; restarting",
-                      file=sys.stderr)
-        restarts += 1
-        if restarts > 1000:
-            print("peat: error: the playback worker kept stopping; giving up", file=sys.stderr)
-            return 2
+    """`peat playback --cell-timeout S`: the campaign in a worker process (this command with
+    `--worker`), restarted by `peat_jax.profiler.supervisor` until the campaign is done; the
+    last worker's output and exit status are the command's."""
+    camp = Campaign(path=RunDir(args.run_dir).campaign(args.name or campaign_name({sel: cand})))
+    worker = [sys.executable, "-m", "peat_jax", *args.argv, "--worker"]
+    return supervisor.supervise(worker, camp, args.cell_timeout)
 
 
 def cmd_runtime(args) -> int:

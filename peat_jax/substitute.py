@@ -25,7 +25,8 @@ from peat_jax.faults import Fault
 from peat_jax.kernels import Kernel
 from peat_jax.sites import Site, Tracer, Traced, select
 
-__all__ = ["substitute", "switched", "Substitution", "resolve"]
+__all__ = ["Active", "Candidate", "OnError", "Substitution", "fault_key", "make_rules", "resolve",
+           "run_rules", "substitute", "switched"]
 
 Candidate = Union[Kernel, Fault]
 Substitution = Mapping[Any, Candidate]
@@ -140,41 +141,108 @@ def _check_outputs(cand, site: Site, outs) -> None:
 
 # Active(site) -> None (always on) or a traced bool scalar.
 Active = Callable[[Site], Optional[jax.Array]]
+# OnError(site, exception): told of a candidate that raised while traced at `site`.
+OnError = Callable[[Site, Exception], None]
 
 
 def make_rules(traced: Traced, chosen: Mapping[int, Candidate], active: Active,
-               key_for: Callable[[Site, Candidate], jax.Array]) -> dict:
-    """Interpreter rules that put `chosen[i]` at site i when `active(site)` holds."""
-    rules = {}
-    for idx, cand in chosen.items():
-        site = traced.sites[idx]
+               key_for: Callable[[Site, Candidate], jax.Array], *, taps: int = 0,
+               on_error: Optional[OnError] = None) -> dict:
+    """Interpreter rules that put `chosen[i]` at site i when `active(site)` holds.
 
-        def rule(op, invals, reference, site=site, cand=cand):
-            key = key_for(site, cand) if isinstance(cand, Fault) else None
-            on = active(site)
+    Args:
+      taps: when > 0, each rule also returns, as the interpreter's side of its site, the
+        candidate's and the reference's first floating-point output there, flattened to float32
+        and zero-padded to `taps` elements (zeros while the candidate is off); inside a `scan`,
+        those of the iteration that differs most.
+      on_error: when given, a candidate that raises while traced at a site (a wrong output
+        shape or dtype included) is isolated: `on_error(site, exception)` is called and the
+        site computes the reference. Without it the exception propagates.
+    """
+    return {idx: _site_rule(traced.sites[idx], cand, active, key_for, taps, on_error)
+            for idx, cand in chosen.items()}
 
-            def cand_branch(*vals):
-                return _run_candidate(cand, site, vals, reference, key)
 
+def _site_rule(site: Site, cand: Candidate, active: Active, key_for, taps: int,
+               on_error: Optional[OnError]):
+    k = next((i for i, d in enumerate(site.out_dtypes) if _is_float(d)), 0)
+
+    def rule(op, invals, reference):
+        key = key_for(site, cand) if isinstance(cand, Fault) else None
+        on = active(site)
+
+        def cand_branch(*vals):
+            return _run_candidate(cand, site, vals, reference, key)
+
+        # both branches strongly typed, so that weak types cannot make lax.cond reject them
+        def cand_typed(*vals):
+            return [lax.convert_element_type(o, v.aval.dtype)
+                    for o, v in zip(cand_branch(*vals), op.eqn.outvars)]
+
+        def ref_typed(*vals):
+            return [lax.convert_element_type(o, jnp.result_type(o)) for o in reference(*vals)]
+
+        if taps:
+            cand_typed, ref_typed = _tapped(cand_typed, ref_typed, reference, k, taps)
+        try:
             if on is None:
-                return cand_branch(*invals)
+                out = cand_typed(*invals) if taps else cand_branch(*invals)
+            else:
+                out = lax.cond(on, cand_typed, ref_typed, *invals)
+        except Exception as e:  # noqa: BLE001 - the candidate failed at this site
+            if on_error is None:
+                raise
+            on_error(site, e)
+            out = ref_typed(*invals)
+        return _ip.WithSide(*out, _worst_iteration) if taps else out
 
-            # both branches strongly typed, so that weak types cannot make lax.cond reject them
-            def cand_typed(*vals):
-                return [lax.convert_element_type(o, v.aval.dtype)
-                        for o, v in zip(cand_branch(*vals), op.eqn.outvars)]
-
-            def ref_typed(*vals):
-                return [lax.convert_element_type(o, jnp.result_type(o)) for o in reference(*vals)]
-
-            return lax.cond(on, cand_typed, ref_typed, *invals)
-
-        rules[idx] = rule
-    return rules
+    return rule
 
 
-def _static_key(site: Site, cand: Fault) -> jax.Array:
+def _tapped(cand_typed, ref_typed, reference, k: int, width: int):
+    """The two branches of a rule made to return (outputs, (candidate tap, reference tap)):
+    output `k` of each, flattened to float32 and padded to `width`; zeros on the reference
+    branch."""
+    def cand(*vals):
+        ref = reference(*vals)
+        got = cand_typed(*vals)
+        return got, (_pad(got[k], width), _pad(ref[k], width))
+
+    def ref(*vals):
+        zero = jnp.zeros((width,), jnp.float32)
+        return ref_typed(*vals), (zero, zero)
+
+    return cand, ref
+
+
+def _pad(x: jax.Array, n: int) -> jax.Array:
+    flat = x.reshape(-1).astype(jnp.float32)
+    return jnp.pad(flat, (0, n - flat.size))
+
+
+def _worst_iteration(stacked):
+    """Of a scan's stacked (candidate, reference) taps, the iteration that differs most."""
+    c, r = stacked
+    err = jnp.max(jnp.where(jnp.isnan(c - r), jnp.inf, jnp.abs(c - r)), axis=1)
+    i = jnp.argmax(err)
+    return c[i], r[i]
+
+
+def fault_key(site: Site, cand: Fault) -> jax.Array:
+    """The PRNG key of `cand` at `site`: `fold_in(key(seed), site.index)`."""
     return jax.random.fold_in(jax.random.key(_fault_seed(cand)), site.index)
+
+
+def run_rules(traced: Traced, rules: Mapping[int, Any], args, kwargs, *,
+              with_sides: bool = False):
+    """`traced`'s function on `args, kwargs` with site i computed by `rules[i]`: its outputs
+    (the function's pytree), and with `with_sides` also {site index: side} of the rules that
+    returned one."""
+    flat = traced.flat_args(args, kwargs)
+    outs, sides = _ip.evaluate(traced.program, rules, traced.program.closed_jaxpr.consts, flat,
+                               with_sides=True)
+    tree = jax.tree.unflatten(traced.out_tree, outs)
+    return (tree, sides) if with_sides else tree
 
 
 class _Substituted:
@@ -212,15 +280,13 @@ class _Substituted:
     def run(self, args, kwargs, active: Active, key_for) -> Any:
         traced, chosen = self.prepare(args, kwargs)
         rules = make_rules(traced, chosen, active, key_for)
-        flat = traced.flat_args(args, kwargs)
         with _regions.flax_regions(*self._tracer.regions):
-            outs = _ip.evaluate(traced.program, rules, traced.program.closed_jaxpr.consts, flat)
-        return jax.tree.unflatten(traced.out_tree, outs)
+            return run_rules(traced, rules, args, kwargs)
 
 
 class _Static(_Substituted):
     def __call__(self, *args, **kwargs):
-        return self.run(args, kwargs, lambda site: None, _static_key)
+        return self.run(args, kwargs, lambda site: None, fault_key)
 
 
 class _Switched(_Substituted):
@@ -228,7 +294,7 @@ class _Switched(_Substituted):
         site_index = jnp.asarray(site_index, jnp.int32)
         if site_index.ndim != 0:
             raise PeatError(f"the site index must be a scalar int, got shape {site_index.shape}")
-        return self.run(args, kwargs, lambda site: site_index == site.index, _static_key)
+        return self.run(args, kwargs, lambda site: site_index == site.index, fault_key)
 
 
 def substitute(fn: Callable, substitution: Substitution, *, primitives=None,

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax.errors import PeatError
+from peat_jax.profiler.hostio import quiet as _quiet, to_device as _to_device
 from peat_jax.profiler.rundir import (FORMAT, PathLike, RunDir, append_jsonl, atomic_write_json,
                                       environment, rewrite_jsonl, run_identity)
 from peat_jax.profiler.workload import Workload
@@ -114,17 +115,6 @@ def available_checkpoints(rd: RunDir) -> list[int]:
             return sorted(int(s) for s in mgr.all_steps())
         finally:
             mgr.close()
-
-
-class _quiet:
-    """Silence Orbax/absl INFO logging for the duration."""
-
-    def __enter__(self):
-        self._lvl = logging.getLogger("absl").level
-        logging.getLogger("absl").setLevel(logging.WARNING)
-
-    def __exit__(self, *exc):
-        logging.getLogger("absl").setLevel(self._lvl)
 
 
 def state_digest(state) -> str:
@@ -229,10 +219,6 @@ def _same_run(old: dict, new: dict) -> Optional[str]:
         if old.get(key) != new.get(key):
             return f"{key} differs (on disk: {old.get(key)!r}, asked: {new.get(key)!r})"
     return None
-
-
-def _to_device(batch):
-    return jax.tree.map(jnp.asarray, batch)
 
 
 def _scalars(metrics) -> dict[str, float]:

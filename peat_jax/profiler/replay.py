@@ -1,0 +1,135 @@
+"""The replay of a playback campaign: one compiled train step, switched by a traced site index.
+
+`Replay(traced, chosen, sites, devices).fn(site_index, state, batch)` runs the train step with
+the candidate active only at site `site_index` (-1: nowhere, the golden replay) and returns the
+new state, the metrics and the site's `Taps`. It is `substitute.make_rules`' switched rule with
+taps, so playback replays exactly what `peat.switched` runs. A candidate that raises while
+traced at a site is isolated there: the site runs the reference and `Replay.crashed` says why.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from peat_jax import _jax
+from peat_jax.sites import Site, Traced
+from peat_jax.substitute import Candidate, fault_key, make_rules, run_rules
+
+__all__ = ["Replay", "Taps", "error_line"]
+
+
+class Taps(NamedTuple):
+    """What one replay saw at its site (zeros and `found` False when nothing was tapped: site
+    -1, or a site inside `while`/`cond`)."""
+
+    candidate: jax.Array   # float32 [width]: the candidate's output, flattened, zero-padded
+    reference: jax.Array   # float32 [width]: the reference op's output on the same operands
+    found: jax.Array       # bool scalar: whether the site was tapped
+
+
+class Replay:
+    """One campaign's replay executable and its dispatch over devices.
+
+    Attributes:
+      fn: jitted `(site_index, state, batch) -> (new state, metrics, Taps)`.
+      width: the taps' length (the largest first output among the grid's sites).
+      devices: the devices a checkpoint's cells are spread over.
+      crashed: site index -> error line, for candidates that raised while traced there
+        (filled when `fn` is first traced).
+    """
+
+    def __init__(self, traced: Traced, chosen: dict[int, Candidate], sites: Sequence[Site],
+                 devices: Sequence[Any]):
+        self.traced, self.chosen = traced, chosen
+        self.width = max((int(np.prod(s.out_shapes[0])) for s in sites), default=1)
+        self.devices = list(devices)
+        self.crashed: dict[int, str] = {}
+        self.fn = jax.jit(self._run)
+        self._compiled = [self.fn]
+
+    @property
+    def group_size(self) -> int:
+        """Cells run at a time: one per device."""
+        return max(1, len(self.devices))
+
+    def groups(self, sites: Sequence[Site]) -> list[list[Site]]:
+        """`sites` in groups of `group_size`, in order."""
+        n = self.group_size
+        return [list(sites[i:i + n]) for i in range(0, len(sites), n)]
+
+    def dispatch(self, group: Sequence[Site], state, batch) -> dict[int, Any]:
+        """Start the replays of `group` (asynchronously): site index -> (new state, metrics,
+        Taps). With several devices an empty group still runs the spread replay once (site -1
+        on every device): its compilation, outside any time limit."""
+        if len(self.devices) > 1:
+            ids = [s.index for s in group] + [-1] * (len(self.devices) - len(group))
+            out = self._spread(jnp.asarray(ids, jnp.int32), state, batch)
+            home = jax.tree.leaves(state)[0].sharding
+            return {s.index: jax.device_put(jax.tree.map(lambda x, j=j: x[j], out), home)
+                    for j, s in enumerate(group)}
+        return {s.index: self.fn(s.index, state, batch) for s in group}
+
+    def compiles(self) -> int:
+        """Executables compiled so far (the golden replay's included)."""
+        return sum(_jax.cache_size(f) for f in self._compiled)
+
+    @functools.cached_property
+    def _spread(self):
+        """The replay over `devices`: site indices [len(devices)] (each device runs its own cell
+        with a real switch), state and batch replicated; outputs gain a leading device axis."""
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        mesh = Mesh(np.asarray(self.devices), ("cells",))
+
+        def per_device(site_index, state, batch):
+            return jax.tree.map(lambda x: x[None], self._run(site_index[0], state, batch))
+
+        fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("cells"), P(), P()),
+                                   out_specs=P("cells"), check_vma=False))
+        self._compiled.append(fn)
+        spread, same = NamedSharding(mesh, P("cells")), NamedSharding(mesh, P())
+
+        def run(ids, state, batch):
+            state, batch = jax.device_put((state, batch), same)
+            return fn(jax.device_put(ids, spread), state, batch)
+
+        return run
+
+    def _run(self, site_index, state, batch):
+        rules = make_rules(self.traced, self.chosen, lambda site: site_index == site.index,
+                           fault_key, taps=self.width, on_error=self._crash)
+        (new_state, metrics), sides = run_rules(self.traced, rules, (state, batch), {},
+                                                with_sides=True)
+        return new_state, metrics, _taps_at(sides, site_index, self.width)
+
+    def _crash(self, site: Site, e: Exception) -> None:
+        # isolated: the site's cells are recorded as crashed, the rest of the grid runs
+        self.crashed.setdefault(site.index, error_line(e))
+
+
+def _taps_at(sides: dict[int, Any], site_index, width: int) -> Taps:
+    """The taps of the site `site_index` (traced) among every site's."""
+    zero = jnp.zeros((width,), jnp.float32)
+    taps = Taps(zero, zero, jnp.zeros((), bool))
+    for idx, (c, r) in sides.items():
+        hit = site_index == idx
+        taps = Taps(jnp.where(hit, c, taps.candidate), jnp.where(hit, r, taps.reference),
+                    taps.found | hit)
+    return taps
+
+
+def error_line(e: BaseException) -> str:
+    """`Type: first line of the message` of an exception (at most 1000 characters), for a
+    crashed cell's record."""
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+    if not lines:
+        return type(e).__name__
+    head = lines[0]
+    if len(lines) > 1 and "Traceback (most recent call last)" in str(e):
+        # an error raised in a host callback: XLA wraps the callback's traceback; its last line
+        # is the callback's own exception
+        head = head.split("Traceback (most recent call last)")[0].rstrip(" :") + ": " + lines[-1]
+    return f"{type(e).__name__}: {head}"[:1000]
