@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from peat_jax.errors import PeatError
-from peat_jax.profiler.golden import _quiet, _scalars, _to_device, load_workload, restore
+from peat_jax.profiler.golden import _quiet, _to_device, load_workload, restore, scalar_metrics
 from peat_jax.profiler.rundir import PathLike, RunDir, atomic_write_json
 from peat_jax.profiler.workload import Workload
 from peat_jax.schedule import Schedule, inject
@@ -162,10 +162,10 @@ def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substi
     for i in range(steps):
         batch = _to_device(wl.batch(i))
         state, metrics = step_fn(state, batch, i)
-        losses.append(_scalars(metrics)["loss"])
+        losses.append(scalar_metrics(metrics)["loss"])
         if plain is not None:
             gstate, gm = plain(gstate, batch)
-            golden_run.append(_scalars(gm)["loss"])
+            golden_run.append(scalar_metrics(gm)["loss"])
         if progress is not None:
             progress(i + 1, steps)
     golden = golden if golden is not None else golden_run
