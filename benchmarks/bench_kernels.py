@@ -21,13 +21,13 @@ import sys
 import tempfile
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import peat_jax as peat
 from peat_jax.kernels import pallas as pk
+from peat_jax.kernels import references
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -42,19 +42,6 @@ def _rel(got, ref) -> float:
 def _fwd_bwd(fn, g, *args):
     y, vjp = jax.vjp(fn, *args)
     return y, vjp(g)
-
-
-def layer_norm_ref(x, scale, bias, eps=1e-6):
-    xf = x.astype(jnp.float32) if x.dtype != jnp.float64 else x
-    mean = xf.mean(-1, keepdims=True)
-    var = ((xf - mean) ** 2).mean(-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps) * scale.astype(xf.dtype) + bias.astype(xf.dtype)
-    return y.astype(jnp.result_type(x.dtype, scale.dtype, bias.dtype))
-
-
-def attention_ref(q, k, v, causal=False):
-    mask = nn.make_causal_mask(jnp.ones(q.shape[:2])) if causal else None
-    return nn.dot_product_attention(q, k, v, mask=mask)
 
 
 def _matmul_ref(a, b):
@@ -90,14 +77,14 @@ def cases(ffi_dir: str):
         shape = (2, 128, 4, 32) if big else (1, 32, 2, 12)
         return tuple(jax.random.normal(jax.random.key(i), shape).astype(dt) for i in range(3))
 
-    causal_ref = functools.partial(attention_ref, causal=True)
+    causal_ref = functools.partial(references.attention, causal=True)
     import torch
     out = {
         "pallas_matmul": (_sub_matmul(pk.pallas_matmul()), _matmul_ref, mm_args),
-        "pallas_softmax": (pk.pallas_softmax(), jax.nn.softmax, rows),
-        "pallas_layer_norm": (pk.pallas_layer_norm(), layer_norm_ref, ln_args),
+        "pallas_softmax": (pk.pallas_softmax(), references.softmax, rows),
+        "pallas_layer_norm": (pk.pallas_layer_norm(), references.layer_norm, ln_args),
         "pallas_attention(causal)": (pk.pallas_attention(causal=True), causal_ref, att_args),
-        "jax_pallas_layer_norm": (pk.jax_pallas_layer_norm(), layer_norm_ref, ln_args),
+        "jax_pallas_layer_norm": (pk.jax_pallas_layer_norm(), references.layer_norm, ln_args),
         "jax_pallas_mha(causal)": (pk.jax_pallas_mha(causal=True), causal_ref, mha_args),
         "ffi_matmul": (_sub_matmul(peat.kernels.ffi_matmul(cache_dir=ffi_dir)), _matmul_ref,
                        mm_args),

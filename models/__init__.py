@@ -19,13 +19,17 @@ is a deterministic function of the step number (NumPy arrays); ``train_step`` is
 and returns ``{"loss", "accuracy"}``; ``evaluate(state)`` returns held-out ``{"loss", "accuracy"}`` as
 floats. ``workload.config`` is the full resolved config (JSON-serialisable); ``get(name, **config)``
 rebuilds the same workload from it. ``config["steps"]`` is the suggested training length.
+
+Each is registered by name (``peat.register_workload``, and the ``peat_jax.workloads`` entry points
+in pyproject.toml), so a run directory's manifest rebuilds it without ``workload=``.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
-from peat_jax.profiler.workload import Workload
+from peat_jax.profiler.workload import Workload, register_workload
 
 from ._common import train
 
@@ -71,3 +75,14 @@ def get(name: str = DEFAULT, **config: Any) -> Workload:
 def defaults(name: str = DEFAULT) -> dict[str, Any]:
     """A copy of the default config of workload ``name``: the valid keys of ``get(name, ...)``."""
     return dict(_lookup(name, 2))
+
+
+def _register() -> None:
+    # By name, so that a run directory's manifest rebuilds them (`peat.playback(run_dir)` without
+    # workload=) once this package is imported; an installed peat_jax also declares them as entry
+    # points (pyproject.toml), which needs no import.
+    for name in _REGISTRY:
+        register_workload(name, functools.partial(get, name))
+
+
+_register()

@@ -14,9 +14,11 @@ from peat_jax.detector import Diagnosis, detect
 from peat_jax.errors import PeatError
 from peat_jax.faults import Fault
 from peat_jax.kernels import Kernel
-from peat_jax.profiler import GoldenRun, RuntimeResult, Workload, profile, runtime
+from peat_jax.profiler import (GoldenRun, RuntimeResult, Workload, profile, register_workload,
+                               registered_workloads)
 from peat_jax.profiler.compare import RunComparison, compare_runs
 from peat_jax.profiler.playback import CellTimeout, PlaybackResult, playback
+from peat_jax.profiler.runtime import runtime
 from peat_jax.regions import flax_regions, region
 from peat_jax.schedule import Schedule, at_steps, every, inject, with_probability
 from peat_jax.sites import Site, format_sites, list_sites, select
@@ -55,11 +57,13 @@ __all__ = [
     "profile",
     "profiler",
     "region",
+    "register_workload",
+    "registered_workloads",
     "report",
     "runtime",
     "select",
     "substitute",
-    "testing",
     "switched",
+    "testing",
     "with_probability",
 ]

@@ -1,8 +1,8 @@
-"""The one place that knows jaxpr internals.
+"""Walk a closed jaxpr, number its op sites, and re-evaluate it with a rule per selected site.
 
-It walks a closed jaxpr in a fixed depth-first order, numbers the op sites it meets, and
-re-evaluates the jaxpr with a rule per selected site. Everything else in peat_jax talks to it
-through `Op` (one visited equation) and `evaluate`.
+Everything else in peat_jax talks to it through `Program` (the numbering), `Op` (one visited
+equation) and `evaluate`. It reaches jax internals only through `_jax`, and recognises region
+calls with `_region_registry.region_of`.
 
 Numbering: equations are visited in program order; an equation that is a site gets the next index
 *before* the sites nested inside it (a region is numbered before its body). Sub-jaxprs are visited
@@ -27,6 +27,7 @@ import jax
 from jax import lax
 
 from peat_jax import _jax
+from peat_jax._region_registry import Region, region_of
 from peat_jax.errors import PeatError
 
 # Compute ops that are sites by default. Pure data movement and plain arithmetic
@@ -52,10 +53,6 @@ OPAQUE_PRIMITIVES: frozenset[str] = frozenset({
 })
 
 
-REGION_PREFIX = "peat_region__"
-REGION_BWD_PREFIX = "peat_region_bwd__"
-_REGION_RE = re.compile(r"peat_region(_bwd)?__(\w+?)__r(\d+)")
-
 _TRANSFORM_RE = re.compile(r"^(?:[A-Za-z_]\w*\()+(.*?)\)*$")
 _HIDDEN_SCOPES = frozenset({"rematted_computation", "checkpoint", "remat"})
 
@@ -68,20 +65,8 @@ class Op:
     eqn: Any                     # jax.extend.core.JaxprEqn
     name_stack: str              # joined with the enclosing equations' stacks
     containers: tuple[str, ...]  # primitives of the enclosing containers, outermost first
-    region: Optional[tuple[str, bool, int]]  # (name, is_bwd, region id) for a region call
+    region: Optional[Region]     # (name, is_bwd, region id) for a region call
     repeats: int = 1             # executions per call: product of enclosing scan lengths
-
-
-def region_of(eqn) -> Optional[tuple[str, bool, int]]:
-    """(name, is_backward, id) when `eqn` is the call of a peat region, else None."""
-    if eqn.primitive.name not in ("jit", "pjit"):
-        return None
-    m = _REGION_RE.search(str(eqn.params.get("name", "")))
-    if m is None:
-        return None
-    region = m.group(2), m.group(1) is not None, int(m.group(3))
-    from peat_jax.regions import is_whole_region  # regions builds on this module
-    return region if is_whole_region(eqn, region) else None
 
 
 def clean_path(name_stack: str) -> str:
@@ -96,8 +81,9 @@ def clean_path(name_stack: str) -> str:
     return "/".join(parts)
 
 
-def _sub_jaxprs(eqn) -> list[tuple[str, Any]]:
-    """The (param name, jaxpr) pairs that `eqn` evaluates, in visiting order."""
+def sub_jaxprs(eqn) -> list[tuple[str, Any]]:
+    """The (param name, jaxpr) pairs that `eqn` evaluates, in visiting order (none for an
+    opaque kernel)."""
     return _jax.sub_jaxprs(eqn, OPAQUE_PRIMITIVES)
 
 
@@ -136,7 +122,7 @@ class Program:
         n = 0
         for eqn in jaxpr.eqns:
             own = bool(self._is_site(eqn))
-            sub = sum(self.plan(j).total for _, j in _sub_jaxprs(eqn))
+            sub = sum(self.plan(j).total for _, j in sub_jaxprs(eqn))
             offsets.append(n)
             flags.append(own)
             counts.append(int(own) + sub)
@@ -164,7 +150,7 @@ class Program:
             inner_stack = _join(eqn_stack, reg[0]) if reg else eqn_stack
             if reg and reg[1]:
                 inner_stack = _join(eqn_stack, f"transpose({reg[0]})")
-            for _, sub in _sub_jaxprs(eqn):
+            for _, sub in sub_jaxprs(eqn):
                 yield from self._walk(sub, idx, inner_stack, containers + (eqn.primitive.name,),
                                       inner_repeats)
                 idx += self.plan(sub).total

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,7 @@ from peat_jax.analyzer import analyze
 from peat_jax.detector import Diagnosis, detect, severity
 from peat_jax.errors import PeatError
 
-__all__ = ["VARIANTS", "check_kernel", "make_variant"]
+__all__ = ["REFERENCE_SPREAD_FACTOR", "VARIANTS", "check_kernel", "make_variant"]
 
 VARIANTS: tuple[str, ...] = ("example", "large", "tiny", "near_overflow", "subnormal", "zeros",
                              "outliers", "odd_shape")
@@ -143,10 +143,15 @@ def _to_jax(args):
     return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, args)
 
 
-def _float_positions(args) -> list[int]:
+def _float_positions(args) -> tuple[int, ...]:
     """Positional arguments holding at least one float leaf (the differentiable inputs)."""
-    return [i for i, a in enumerate(args)
-            if any(_is_float_leaf(x) for x in jax.tree_util.tree_leaves(a))]
+    return tuple(i for i, a in enumerate(args)
+                 if any(_is_float_leaf(x) for x in jax.tree_util.tree_leaves(a)))
+
+
+def _has_float(tree) -> bool:
+    return any(jnp.issubdtype(jnp.result_type(x), jnp.floating)
+               for x in jax.tree_util.tree_leaves(tree))
 
 
 def _cotangent(out, key):
@@ -174,6 +179,10 @@ def _vjp(fn: Callable, args: tuple, positions: Sequence[int], ct):
     return out, pullback(ct)
 
 
+def _grad_names(positions: Sequence[int]) -> list[str]:
+    return [f"grad[{i}]" for i in positions]
+
+
 def _as64(args):
     def cast(x):
         if _is_float_leaf(x):
@@ -190,34 +199,132 @@ def _all_f64(tree) -> bool:
     return bool(floats) and all(x.dtype == np.float64 for x in floats)
 
 
-def _reference64(reference, args, positions, ct, backward: bool):
-    """(forward, grads) of the reference in float64, or (None, None) when it cannot run there
-    (it raises, or returns a narrower float)."""
+def _same_structure(a, b) -> bool:
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    return ta == tb and all(np.shape(x) == np.shape(y) for x, y in zip(la, lb))
+
+
+def _call(fn, args, what: str, variant: str):
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        raise PeatError(f"the {what} raised on the {variant!r} inputs: "
+                        f"{type(e).__name__}: {e}") from e
+
+
+class _Run(NamedTuple):
+    """One input variant and what the candidate and the reference computed on it."""
+
+    variant: str
+    args: tuple
+    positions: tuple[int, ...]      # positional arguments differentiated (none: forward only)
+    cotangent: Any
+    candidate: dict[str, Any]       # output ("forward", "grad[i]") -> value
+    reference: dict[str, Any]
+
+
+def _forwards(candidate, reference, variant: str, args) -> Union[tuple[Any, Any], str]:
+    """(candidate output, reference output); for the "odd_shape" variant, the reason to skip it
+    when either rejects the shapes instead (a kernel may serve only some shapes)."""
+    outs = []
+    for what, fn in (("reference", reference), ("candidate", candidate)):
+        if variant != "odd_shape":
+            outs.append(_call(fn, args, what, variant))
+            continue
+        try:
+            outs.append(fn(*args))
+        except Exception as e:  # noqa: BLE001
+            return f"{what} rejects the shapes: {type(e).__name__}"
+    gold, cand = outs
+    return cand, gold
+
+
+def _gradients(fn, args, positions, ct, what: str) -> dict[str, Any]:
+    """{"grad[i]": gradient} of `fn` (the candidate or the reference) under cotangent `ct`."""
+    try:
+        _, grads = _vjp(fn, args, positions, ct)
+    except Exception as e:  # noqa: BLE001
+        if what == "reference":
+            raise PeatError(f"the reference is not differentiable ({type(e).__name__}: {e}); "
+                            "pass backward=False") from e
+        raise PeatError(f"the candidate is not differentiable ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); give it a "
+                        "jax.custom_vjp, or pass backward=False") from e
+    return dict(zip(_grad_names(positions), grads))
+
+
+def _run(candidate, reference, variant: str, args, positions, key) -> Union[_Run, str]:
+    """Both callables on one variant's inputs, forward and (for float outputs) backward under
+    one random cotangent; or the reason the variant is skipped (see `_forwards`)."""
+    got = _forwards(candidate, reference, variant, args)
+    if isinstance(got, str):
+        return got
+    cand, gold = got
+    if not _same_structure(cand, gold):
+        raise PeatError(f"on the {variant!r} inputs the candidate returned "
+                        f"{jax.tree.map(np.shape, cand)}, the reference "
+                        f"{jax.tree.map(np.shape, gold)}")
+    ct = _cotangent(gold, key)
+    positions = positions if _has_float(gold) else ()
+    ref_outs, cand_outs = {"forward": gold}, {"forward": cand}
+    if positions:
+        ref_outs.update(_gradients(reference, args, positions, ct, "reference"))
+        cand_outs.update(_gradients(candidate, args, positions, ct, "candidate"))
+    return _Run(variant=variant, args=args, positions=positions, cotangent=ct,
+                candidate=cand_outs, reference=ref_outs)
+
+
+def _outputs_again(fn, run: _Run, what: str) -> dict[str, Any]:
+    """`fn`'s outputs on the run's inputs once more (a repeat), forward and gradients."""
+    outs = {"forward": _call(fn, run.args, what, run.variant)}
+    if run.positions:
+        outs.update(_gradients(fn, run.args, run.positions, run.cotangent, what))
+    return outs
+
+
+def _reference64(reference, run: _Run) -> dict[str, Any]:
+    """The reference's outputs in float64 (by output name): empty when it cannot run there (it
+    raises, or returns a narrower float); without the gradients when only they are narrower."""
     try:
         with jax.enable_x64(True):
-            a64 = _to_jax(_as64(args))
-            if backward and positions:
+            a64 = _to_jax(_as64(run.args))
+            if run.positions:
                 ct64 = jax.tree.map(
                     lambda c: jnp.asarray(c, jnp.float64) if jnp.issubdtype(
-                        jnp.result_type(c), jnp.floating) else c, ct)
-                out, grads = _vjp(reference, a64, positions, ct64)
+                        jnp.result_type(c), jnp.floating) else c, run.cotangent)
+                out, grads = _vjp(reference, a64, run.positions, ct64)
             else:
                 out, grads = reference(*a64), None
             out = jax.device_get(out)
             grads = jax.device_get(grads)
     except Exception:  # noqa: BLE001 - any failure means "no float64 reference"
-        return None, None
+        return {}
     if not _all_f64(out):
-        return None, None
-    if grads is not None and not _all_f64(grads):
-        grads = None
-    return out, grads
+        return {}
+    if grads is None or not _all_f64(grads):
+        return {"forward": out}
+    return {"forward": out, **dict(zip(_grad_names(run.positions), grads))}
 
 
-def _same_structure(a, b) -> bool:
-    la, ta = jax.tree_util.tree_flatten(a)
-    lb, tb = jax.tree_util.tree_flatten(b)
-    return ta == tb and all(np.shape(x) == np.shape(y) for x, y in zip(la, lb))
+# ----------------------------------------------------------------------------------------------
+# Comparing
+# ----------------------------------------------------------------------------------------------
+
+# A candidate's error within this many times the reference's own run-to-run difference (the
+# largest over three runs' pairs) is not blamed on the candidate (check_kernel and playback).
+REFERENCE_SPREAD_FACTOR = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """What every comparison of one `check_kernel` call takes."""
+
+    allow: tuple[str, ...]
+    atol: Optional[float]
+    rtol: Optional[float]
+    reduction_length: Optional[int]
+    noise_factor: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +332,13 @@ class _Check:
     variant: str
     output: str
     diagnosis: Diagnosis
+
+
+class _Spread(NamedTuple):
+    """One output the reference computes nondeterministically (max |differences|)."""
+
+    reference: float   # the reference against itself, over three runs
+    candidate: float   # the candidate against the reference's first run
 
 
 def _forgive(candidate, golden, atol: Optional[float], rtol: Optional[float]):
@@ -245,11 +359,66 @@ def _forgive(candidate, golden, atol: Optional[float], rtol: Optional[float]):
     return jax.tree.map(one, candidate, golden)
 
 
-def _diagnose(cand, gold, ref64, *, allow, options, comparison="golden") -> Diagnosis:
-    cand = _forgive(cand, gold, options["atol"], options["rtol"])
-    sig = analyze(cand, gold, ref64, reduction_length=options["reduction_length"],
-                  noise_factor=options["noise_factor"], comparison=comparison)
-    return detect(sig, allow=allow)
+def _diagnose(cand, gold, ref64, opts: _Options, comparison: str = "golden") -> Diagnosis:
+    cand = _forgive(cand, gold, opts.atol, opts.rtol)
+    sig = analyze(cand, gold, ref64, reduction_length=opts.reduction_length,
+                  noise_factor=opts.noise_factor, comparison=comparison)
+    return detect(sig, allow=opts.allow)
+
+
+def _comparisons(reference, run: _Run, opts: _Options) -> list[_Check]:
+    """Candidate against reference for every output of the run, with the float64 reference as
+    the noise floor where it exists."""
+    ref64 = _reference64(reference, run)
+    return [_Check(run.variant, output, _diagnose(run.candidate[output], gold, ref64.get(output),
+                                                  opts))
+            for output, gold in run.reference.items()]
+
+
+def _repeat_checks(candidate, run: _Run, repeats: int, opts: _Options) -> list[_Check]:
+    """`repeats` more runs of the candidate, each against its first run (the dtype bound as the
+    floor): ``nondeterministic`` when they differ beyond it."""
+    checks = []
+    for _ in range(repeats):
+        again = _outputs_again(candidate, run, "candidate")
+        checks += [_Check(run.variant, f"repeat {output}", _diagnose(
+            value, run.candidate[output], None, opts, comparison="repeat"))
+            for output, value in again.items()]
+    return checks
+
+
+def _reference_spread(reference, run: _Run) -> dict[tuple[str, str], _Spread]:
+    """{(variant, output): _Spread} for the outputs on which the reference differs from itself
+    (an atomics-based reduction, say): empty when a second run matches the first bitwise, else
+    the largest difference over three runs' pairs."""
+    first = run.reference
+    second = _outputs_again(reference, run, "reference")
+    if not any(_max_difference(second[o], first[o]) > 0 for o in second):
+        return {}
+    third = _outputs_again(reference, run, "reference")
+    spread = {}
+    for o in second:
+        own = max(_max_difference(second[o], first[o]), _max_difference(third[o], first[o]),
+                  _max_difference(third[o], second[o]))
+        if own > 0:
+            spread[(run.variant, o)] = _Spread(
+                reference=own, candidate=_max_difference(run.candidate[o], first[o]))
+    return spread
+
+
+def _within_reference_spread(c: _Check, spread: Optional[_Spread]) -> _Check:
+    """`c`, or passing as ``numerical_noise`` when it fails by no more than
+    `REFERENCE_SPREAD_FACTOR` times the reference's own run-to-run difference."""
+    if spread is None or c.diagnosis.passed or \
+            spread.candidate > REFERENCE_SPREAD_FACTOR * spread.reference:
+        return c
+    return _Check(c.variant, c.output, Diagnosis(
+        model="numerical_noise", passed=True, confidence=0.5,
+        evidence={"rule": "within_reference_spread", "max_abs_error": spread.candidate,
+                  "reference_run_to_run": spread.reference, "would_be": c.diagnosis.model},
+        summary=(f"passes: max |error| {spread.candidate:.3g} is within "
+                 f"{REFERENCE_SPREAD_FACTOR:g}x the reference's own run-to-run difference "
+                 f"{spread.reference:.3g} (the reference is nondeterministic)")))
 
 
 def _check_key(c: _Check) -> tuple:
@@ -259,12 +428,81 @@ def _check_key(c: _Check) -> tuple:
     return (failing, rank, c.output == "forward", ratio)
 
 
-def _call(fn, args, what: str, variant: str):
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001
-        raise PeatError(f"the {what} raised on the {variant!r} inputs: "
-                        f"{type(e).__name__}: {e}") from e
+def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
+             spread: dict[tuple[str, str], _Spread]) -> Diagnosis:
+    """The worst check's diagnosis, its evidence extended with where it came from, every
+    check's model, the skipped variants and the reference's nondeterminism."""
+    worst = max(checks, key=_check_key)
+    d = worst.diagnosis
+    failing = [c for c in checks if not c.diagnosis.passed]
+    ev = dict(d.evidence)
+    note = ""
+    if spread:
+        ev["reference_nondeterministic"] = {f"{o} on {v}": s.reference
+                                            for (v, o), s in spread.items()}
+        note = (f"; note: the reference itself is nondeterministic (run-to-run max |diff| up to "
+                f"{max(s.reference for s in spread.values()):.3g})")
+    ev["origin"] = {"variant": worst.variant, "output": worst.output}
+    ev["checks"] = [[c.variant, c.output, c.diagnosis.model] for c in checks]
+    if skipped:
+        ev["skipped"] = skipped
+    if not d.passed:
+        ev["failing_checks"] = sorted({f"{c.output} on {c.variant}" for c in failing})
+    where = f" [{worst.output}, {worst.variant} inputs]"
+    tail = (f" ({len(failing)} of {len(checks)} checks fail)" if failing
+            else f" ({len(checks)} checks)")
+    return Diagnosis(model=d.model, passed=d.passed, confidence=d.confidence, evidence=ev,
+                     summary=d.summary + where + tail + note)
+
+
+def _max_difference(a, b) -> float:
+    """max |a - b| over the float leaves of two pytrees (inf where the NaN patterns differ;
+    0.0 when they are bitwise equal)."""
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        if x.shape != y.shape:
+            return float("inf")
+        nan_x, nan_y = np.isnan(x), np.isnan(y)
+        if np.any(nan_x != nan_y):
+            return float("inf")
+        with np.errstate(invalid="ignore"):
+            d = np.where((x == y) | (nan_x & nan_y), 0.0, np.abs(x - y))
+        d = np.where(np.isnan(d), np.inf, d)  # inf vs -inf
+        worst = max(worst, float(d.max()) if d.size else 0.0)
+    return worst
+
+
+# ----------------------------------------------------------------------------------------------
+# check_kernel
+# ----------------------------------------------------------------------------------------------
+
+def _validated_repeats(candidate, reference, example_args: tuple, repeats) -> int:
+    """`repeats` as an int, once the call is known to be well-formed (else a PeatError)."""
+    if not callable(candidate) or not callable(reference):
+        raise PeatError("check_kernel needs callables: check_kernel(candidate, reference, "
+                        "*example_args)")
+    if not example_args:
+        raise PeatError("check_kernel needs example arguments: check_kernel(candidate, "
+                        "reference, x, ...)")
+    repeats = int(repeats)
+    if repeats < 1:
+        raise PeatError(f"repeats must be >= 1, got {repeats}")
+    return repeats
+
+
+def _variant_names(variants: Union[None, str, Sequence[str]]) -> tuple[str, ...]:
+    """The variants to run (default: all of `VARIANTS`), with "example" first if not named."""
+    if variants is None:
+        names = VARIANTS
+    elif isinstance(variants, str):
+        names = (variants,)
+    else:
+        names = tuple(variants)
+    bad = [v for v in names if v not in VARIANTS]
+    if bad:
+        raise PeatError(f"unknown variants {bad}; variants are {', '.join(VARIANTS)}")
+    return names if "example" in names else ("example",) + names
 
 
 def check_kernel(candidate: Callable, reference: Callable, *example_args,
@@ -312,168 +550,31 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
       PeatError: bad options, a candidate or reference that raises, or outputs whose structure
         or shapes differ.
     """
-    if not callable(candidate) or not callable(reference):
-        raise PeatError("check_kernel needs callables: check_kernel(candidate, reference, "
-                        "*example_args)")
-    if not example_args:
-        raise PeatError("check_kernel needs example arguments: check_kernel(candidate, "
-                        "reference, x, ...)")
-    repeats = int(repeats)
-    if repeats < 1:
-        raise PeatError(f"repeats must be >= 1, got {repeats}")
-    if variants is None:
-        names = VARIANTS
-    elif isinstance(variants, str):
-        names = (variants,)
-    else:
-        names = tuple(variants)
-    bad = [v for v in names if v not in VARIANTS]
-    if bad:
-        raise PeatError(f"unknown variants {bad}; variants are {', '.join(VARIANTS)}")
-    if "example" not in names:
-        names = ("example",) + names
-    allow = tuple(allow)
-    options = dict(atol=atol, rtol=rtol, reduction_length=reduction_length,
-                   noise_factor=noise_factor)
+    repeats = _validated_repeats(candidate, reference, example_args, repeats)
+    names = _variant_names(variants)
+    opts = _Options(allow=tuple(allow), atol=atol, rtol=rtol, reduction_length=reduction_length,
+                    noise_factor=noise_factor)
     example_args = _to_jax(tuple(example_args))
-    positions = _float_positions(example_args) if backward else []
+    positions = _float_positions(example_args) if backward else ()
+    key = jax.random.key(seed)
     checks: list[_Check] = []
     skipped: dict[str, str] = {}
-    ref_spread: dict[tuple[str, str], float] = {}   # (variant, output) -> reference vs itself
-    cand_error: dict[tuple[str, str], float] = {}   # (variant, output) -> candidate vs reference
-    key = jax.random.key(seed)
-
+    spread: dict[tuple[str, str], _Spread] = {}
     for vi, name in enumerate(names):
         args = make_variant(name, example_args, seed + vi)
         if args is None:
             skipped[name] = "not applicable to these arguments"
             continue
-        args = _to_jax(args)
-        if name == "odd_shape":
-            try:
-                gold = reference(*args)
-            except Exception as e:  # noqa: BLE001
-                skipped[name] = f"reference rejects the shapes: {type(e).__name__}"
-                continue
-            try:
-                cand = candidate(*args)
-            except Exception as e:  # noqa: BLE001
-                skipped[name] = f"candidate rejects the shapes: {type(e).__name__}"
-                continue
-        else:
-            gold = _call(reference, args, "reference", name)
-            cand = _call(candidate, args, "candidate", name)
-        if not _same_structure(cand, gold):
-            raise PeatError(f"on the {name!r} inputs the candidate returned "
-                            f"{jax.tree.map(np.shape, cand)}, the reference "
-                            f"{jax.tree.map(np.shape, gold)}")
-        ct = _cotangent(gold, jax.random.fold_in(key, vi))
-        do_bwd = bool(positions) and any(
-            jnp.issubdtype(jnp.result_type(x), jnp.floating)
-            for x in jax.tree_util.tree_leaves(gold))
-        ref64, grads64 = _reference64(reference, args, positions, ct, do_bwd)
-        checks.append(_Check(name, "forward", _diagnose(cand, gold, ref64, allow=allow,
-                                                        options=options)))
-        g_cand = None
-        if do_bwd:
-            try:
-                _, g_gold = _vjp(reference, args, positions, ct)
-            except Exception as e:  # noqa: BLE001
-                raise PeatError(f"the reference is not differentiable ({type(e).__name__}: "
-                                f"{e}); pass backward=False") from e
-            try:
-                _, g_cand = _vjp(candidate, args, positions, ct)
-            except Exception as e:  # noqa: BLE001
-                raise PeatError(f"the candidate is not differentiable ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0] if str(e) else ''}); give it a "
-                                "jax.custom_vjp, or pass backward=False") from e
-            for j, i in enumerate(positions):
-                r64 = None if grads64 is None else grads64[j]
-                checks.append(_Check(name, f"grad[{i}]", _diagnose(
-                    g_cand[j], g_gold[j], r64, allow=allow, options=options)))
-        if repeats > 1 and (name == "example" or ref_spread):
-            # The reference run again: a reference that differs from itself (an atomics-based
-            # reduction, say) must not be blamed on the candidate (see the end).
-            outs = [("forward", cand, gold, _call(reference, args, "reference", name))]
-            if do_bwd and g_cand is not None:
-                _, g_gold2 = _vjp(reference, args, positions, ct)
-                outs += [(f"grad[{i}]", g_cand[j], g_gold[j], g_gold2[j])
-                         for j, i in enumerate(positions)]
-            if any(_max_difference(g_again, g_out) > 0 for _, _, g_out, g_again in outs):
-                # differs from itself: a third run, so the spread is the largest of three pairs
-                third = [_call(reference, args, "reference", name)]
-                if len(outs) > 1:
-                    third += list(_vjp(reference, args, positions, ct)[1])
-                for (output, c_out, g_out, g_again), g3 in zip(outs, third):
-                    own = max(_max_difference(g_again, g_out), _max_difference(g3, g_out),
-                              _max_difference(g3, g_again))
-                    if own > 0:
-                        ref_spread[(name, output)] = own
-                        cand_error[(name, output)] = _max_difference(c_out, g_out)
-        if name == "example" and repeats > 1:
-            for _ in range(repeats - 1):
-                again = _call(candidate, args, "candidate", name)
-                checks.append(_Check(name, "repeat forward", _diagnose(
-                    again, cand, None, allow=allow, options=options, comparison="repeat")))
-                if do_bwd and g_cand is not None:
-                    _, g_again = _vjp(candidate, args, positions, ct)
-                    for j, i in enumerate(positions):
-                        checks.append(_Check(name, f"repeat grad[{i}]", _diagnose(
-                            g_again[j], g_cand[j], None, allow=allow, options=options,
-                            comparison="repeat")))
-
-    for k, c in enumerate(checks):
-        key = (c.variant, c.output)
-        if key in ref_spread and not c.diagnosis.passed and \
-                cand_error[key] <= REFERENCE_SPREAD_FACTOR * ref_spread[key]:
-            checks[k] = _Check(c.variant, c.output, Diagnosis(
-                "numerical_noise", True, 0.5,
-                {"rule": "within_reference_spread", "max_abs_error": cand_error[key],
-                 "reference_run_to_run": ref_spread[key], "would_be": c.diagnosis.model},
-                f"passes: max |error| {cand_error[key]:.3g} is within "
-                f"{REFERENCE_SPREAD_FACTOR:g}x the reference's own run-to-run difference "
-                f"{ref_spread[key]:.3g} (the reference is nondeterministic)"))
-    worst = max(checks, key=_check_key)
-    d = worst.diagnosis
-    ev = dict(d.evidence)
-    note = ""
-    if ref_spread:
-        ev["reference_nondeterministic"] = {f"{o} on {v}": x for (v, o), x in ref_spread.items()}
-        note = (f"; note: the reference itself is nondeterministic (run-to-run max |diff| up to "
-                f"{max(ref_spread.values()):.3g})")
-    ev["origin"] = {"variant": worst.variant, "output": worst.output}
-    ev["checks"] = [[c.variant, c.output, c.diagnosis.model] for c in checks]
-    if skipped:
-        ev["skipped"] = skipped
-    if not d.passed:
-        failing = sorted({f"{c.output} on {c.variant}" for c in checks
-                          if not c.diagnosis.passed})
-        ev["failing_checks"] = failing
-    where = f" [{worst.output}, {worst.variant} inputs]"
-    n_fail = sum(not c.diagnosis.passed for c in checks)
-    tail = f" ({n_fail} of {len(checks)} checks fail)" if n_fail else \
-        f" ({len(checks)} checks)"
-    return Diagnosis(d.model, d.passed, d.confidence, ev, d.summary + where + tail + note)
-
-
-# A candidate's error within this many times the reference's own run-to-run difference (the
-# largest over three runs' pairs) is not blamed on the candidate (check_kernel and playback).
-REFERENCE_SPREAD_FACTOR = 4.0
-
-
-def _max_difference(a, b) -> float:
-    """max |a - b| over the float leaves of two pytrees (inf where the NaN patterns differ;
-    0.0 when they are bitwise equal)."""
-    worst = 0.0
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        if x.shape != y.shape:
-            return float("inf")
-        nan_x, nan_y = np.isnan(x), np.isnan(y)
-        if np.any(nan_x != nan_y):
-            return float("inf")
-        with np.errstate(invalid="ignore"):
-            d = np.where((x == y) | (nan_x & nan_y), 0.0, np.abs(x - y))
-        d = np.where(np.isnan(d), np.inf, d)  # inf vs -inf
-        worst = max(worst, float(d.max()) if d.size else 0.0)
-    return worst
+        run = _run(candidate, reference, name, _to_jax(args), positions,
+                   jax.random.fold_in(key, vi))
+        if isinstance(run, str):
+            skipped[name] = run
+            continue
+        checks += _comparisons(reference, run, opts)
+        if repeats > 1 and (name == "example" or spread):
+            # once the reference differs from itself, every later variant measures how much
+            spread.update(_reference_spread(reference, run))
+        if repeats > 1 and name == "example":
+            checks += _repeat_checks(candidate, run, repeats - 1, opts)
+    checks = [_within_reference_spread(c, spread.get((c.variant, c.output))) for c in checks]
+    return _verdict(checks, skipped=skipped, spread=spread)

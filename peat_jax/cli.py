@@ -47,26 +47,15 @@ KERNELS: dict[str, Callable[[], "peat.Kernel"]] = {
 }
 
 
-def _layer_norm_reference(x, scale, bias, eps: float = 1e-6):
-    mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
-
-
-def _attention_reference(q, k, v):
-    from flax import linen as nn
-    return nn.dot_product_attention(q, k, v)
-
-
 # Bundled region kernels that `peat check` runs against their XLA references: factory,
 # reference, default operand shapes.
 REGION_KERNELS: dict[str, tuple[Callable[[], "peat.Kernel"], Callable, str]] = {
-    "pallas_softmax": (lambda: peat.kernels.pallas_softmax(),
-                       lambda x: jax.nn.softmax(x, axis=-1), "67x45"),
-    "pallas_layer_norm": (lambda: peat.kernels.pallas_layer_norm(), _layer_norm_reference,
-                          "67x45,45,45"),
-    "pallas_attention": (lambda: peat.kernels.pallas_attention(), _attention_reference,
-                         "2x40x2x16,2x40x2x16,2x40x2x16"),
+    "pallas_softmax": (lambda: peat.kernels.pallas_softmax(), peat.kernels.references.softmax,
+                       "67x45"),
+    "pallas_layer_norm": (lambda: peat.kernels.pallas_layer_norm(),
+                          peat.kernels.references.layer_norm, "67x45,45,45"),
+    "pallas_attention": (lambda: peat.kernels.pallas_attention(),
+                         peat.kernels.references.attention, "2x40x2x16,2x40x2x16,2x40x2x16"),
 }
 
 

@@ -10,81 +10,28 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import re
 import threading
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import jax
 
-from peat_jax import _interpreter as _ip
 from peat_jax import _jax
+from peat_jax._region_registry import (RegionInfo, call_name, is_region_name, region_info,
+                                       register)
 from peat_jax.errors import PeatError
 
-__all__ = ["region", "flax_regions", "RegionInfo", "region_info"]
-
-
-@dataclasses.dataclass
-class RegionInfo:
-    """What the tracer knows of one region signature: its name and argument/result trees."""
-
-    name: str
-    in_tree: Any
-    in_avals: tuple
-    out_tree: Optional[Any] = None
-    out_avals: Optional[tuple] = None
-    fwd: Optional[Callable] = None
-    bwd: Optional[Callable] = None
-
-
-_LOCK = threading.Lock()
-_REGISTRY: list[RegionInfo] = []
-_INDEX: dict[tuple, int] = {}
-
-
-def region_info(region_id: int) -> RegionInfo:
-    """The registered region with this id (ids are stable within a process)."""
-    return _REGISTRY[region_id]
-
-
-def _types(atoms) -> tuple:
-    return tuple((tuple(a.aval.shape), a.aval.dtype) for a in atoms)
-
-
-def is_whole_region(eqn, region: tuple[str, bool, int]) -> bool:
-    """True when `eqn` is a complete call of the region (not a fragment that partial evaluation
-    split off under `remat`/`scan`): its operand and result types are the region's own."""
-    _, is_bwd, rid = region
-    if rid >= len(_REGISTRY):
-        return False
-    info = _REGISTRY[rid]
-    if info.out_avals is None:
-        return False
-    ins = tuple((tuple(a.shape), a.dtype) for a in info.in_avals)
-    outs = tuple((tuple(a.shape), a.dtype) for a in info.out_avals)
-    if is_bwd:
-        float0 = jax.dtypes.float0
-        ins, outs = ins + outs, tuple(
-            (s, d if jax.numpy.issubdtype(d, jax.numpy.inexact) else float0) for s, d in ins)
-    try:
-        return _types(eqn.invars) == ins and _types(eqn.outvars) == outs
-    except AttributeError:
-        return False
+__all__ = ["RegionInfo", "flax_regions", "region", "region_info"]
 
 
 def _register(name: str, fn: Callable, in_tree, in_avals: tuple) -> int:
     key = (name, fn, in_tree, in_avals)  # functions compare by identity, module calls by config
-    with _LOCK:
-        rid = _INDEX.get(key)
-        if rid is None:
-            rid = len(_REGISTRY)
-            _REGISTRY.append(RegionInfo(name, in_tree, in_avals))
-            _INDEX[key] = rid
-            _build(rid, name, fn)
-    return rid
+    return register(key, RegionInfo(name, in_tree, in_avals), functools.partial(_build, fn))
 
 
-def _build(rid: int, name: str, fn: Callable) -> None:
-    info = _REGISTRY[rid]
+def _build(fn: Callable, rid: int, info: RegionInfo) -> None:
+    """Give region `rid` its call: a `jax.custom_vjp` of two jitted functions named by
+    `call_name`, the forward and the backward (`fn`'s VJP recomputed from the inputs)."""
+    name = info.name
 
     def fwd_body(*args):
         out = fn(*args)
@@ -96,8 +43,8 @@ def _build(rid: int, name: str, fn: Callable) -> None:
         _, vjp = jax.vjp(fn, *res)
         return vjp(g)
 
-    fwd_body.__name__ = fwd_body.__qualname__ = f"{_ip.REGION_PREFIX}{name}__r{rid}"
-    bwd_body.__name__ = bwd_body.__qualname__ = f"{_ip.REGION_BWD_PREFIX}{name}__r{rid}"
+    fwd_body.__name__ = fwd_body.__qualname__ = call_name(name, rid, backward=False)
+    bwd_body.__name__ = bwd_body.__qualname__ = call_name(name, rid, backward=True)
     jfwd, jbwd = jax.jit(fwd_body), jax.jit(bwd_body)
 
     @jax.custom_vjp
@@ -109,9 +56,6 @@ def _build(rid: int, name: str, fn: Callable) -> None:
     info.bwd = jbwd
 
 
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
 def region(name: str, fn: Optional[Callable] = None):
     """Mark `fn` as a composite site named `name`; usable as `@peat.region("softmax")`.
 
@@ -120,7 +64,7 @@ def region(name: str, fn: Optional[Callable] = None):
     backward is `fn`'s VJP recomputed from the inputs (like `jax.checkpoint` on the region).
     Under `peat.list_sites` it appears as two composite sites, `phase="fwd"` and `phase="bwd"`.
     """
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    if not is_region_name(name):
         raise PeatError(f"region name {name!r} must be an identifier (letters, digits, '_')")
     if fn is None:
         return functools.partial(region, name)
@@ -134,7 +78,7 @@ def region(name: str, fn: Optional[Callable] = None):
                             f"keyword arguments with functools.partial first (got {sorted(kwargs)})")
         leaves, in_tree = jax.tree.flatten(args)
         rid = _register(name, fn, in_tree, tuple(jax.typeof(x) for x in leaves))
-        return _REGISTRY[rid].fwd(*args)
+        return region_info(rid).fwd(*args)
 
     return wrapped
 

@@ -13,6 +13,7 @@ import numpy as np
 from peat_jax import _interpreter as _ip
 from peat_jax import _jax
 from peat_jax import regions as _regions
+from peat_jax._region_registry import region_of
 from peat_jax.errors import PeatError
 
 __all__ = ["Site", "Selector", "list_sites", "select", "format_sites"]
@@ -91,11 +92,11 @@ def _site_predicate(primitives: Optional[Union[str, Iterable[str]]]) -> Callable
         names = frozenset([primitives] if isinstance(primitives, str) else primitives)
 
     def is_site(eqn) -> bool:
-        if _ip.region_of(eqn) is not None:
+        if region_of(eqn) is not None:
             return True
         name = eqn.primitive.name
         if names is None:
-            return not _ip._sub_jaxprs(eqn) or name in _ip.OPAQUE_PRIMITIVES
+            return not _ip.sub_jaxprs(eqn) or name in _ip.OPAQUE_PRIMITIVES
         return name in names
 
     return is_site

@@ -22,6 +22,7 @@ import pytest
 
 import peat_jax as peat
 from peat_jax.kernels import pallas as pk
+from peat_jax.kernels import references
 
 TOL = {jnp.float32: 1e-5, jnp.float16: 1e-2, jnp.bfloat16: 6e-2}
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -52,21 +53,6 @@ def _fwd_bwd_errors(candidate, reference, args, seed=7) -> tuple[float, float]:
 
 def _normal(seed, shape, dtype, scale=1.0):
     return (scale * jax.random.normal(jax.random.key(seed), shape)).astype(dtype)
-
-
-def _layer_norm_ref(x, scale, bias, eps=1e-6):
-    xf = x.astype(jnp.float32)
-    mean = xf.mean(-1, keepdims=True)
-    var = ((xf - mean) ** 2).mean(-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
-    return y.astype(jnp.result_type(x.dtype, scale.dtype, bias.dtype))
-
-
-def _attention_ref(q, k, v, causal=False):
-    mask = None
-    if causal:
-        mask = nn.make_causal_mask(jnp.ones(q.shape[:2]))
-    return nn.dot_product_attention(q, k, v, mask=mask)
 
 
 # ------------------------------------------------------------------ matmul at dot_general sites
@@ -126,7 +112,7 @@ ROW_CASES = _cases(*[("ragged", d) for d in DTYPES], ("divisible", jnp.float32))
 @pytest.mark.parametrize("shape,dtype", ROW_CASES)
 def test_pallas_softmax_matches_xla(shape, dtype):
     x = _normal(0, ROWS[shape], dtype, scale=3.0)
-    fwd, bwd = _fwd_bwd_errors(pk.pallas_softmax(block_rows=8), jax.nn.softmax, (x,))
+    fwd, bwd = _fwd_bwd_errors(pk.pallas_softmax(block_rows=8), references.softmax, (x,))
     assert fwd <= TOL[dtype] and bwd <= TOL[dtype], (fwd, bwd)
 
 
@@ -142,7 +128,7 @@ def test_layer_norm_kernels_match_xla(which, shape, dtype):
     scale = (1.0 + 0.1 * jax.random.normal(jax.random.key(1), (n,))).astype(dtype)
     bias = _normal(2, (n,), dtype, scale=0.1)
     kernel = pk.pallas_layer_norm(block_rows=8) if which == "pallas" else pk.jax_pallas_layer_norm()
-    fwd, bwd = _fwd_bwd_errors(kernel, _layer_norm_ref, (x, scale, bias))
+    fwd, bwd = _fwd_bwd_errors(kernel, references.layer_norm, (x, scale, bias))
     assert fwd <= TOL[dtype] and bwd <= TOL[dtype], (fwd, bwd)
 
 
@@ -163,7 +149,8 @@ def test_pallas_attention_matches_flax_dot_product_attention(shape, dtype):
     qs, ks = ATTENTION[shape]
     q, k, v = _normal(0, qs, dtype), _normal(1, ks, dtype), _normal(2, ks, dtype)
     kernel = pk.pallas_attention(causal=causal, block_q=16, block_k=16)
-    fwd, bwd = _fwd_bwd_errors(kernel, functools.partial(_attention_ref, causal=causal), (q, k, v))
+    reference = functools.partial(references.attention, causal=causal)
+    fwd, bwd = _fwd_bwd_errors(kernel, reference, (q, k, v))
     assert fwd <= TOL[dtype] and bwd <= TOL[dtype], (fwd, bwd)
 
 
@@ -173,7 +160,7 @@ def test_pallas_attention_matches_flax_dot_product_attention(shape, dtype):
 def test_jax_pallas_mha_matches_flax_dot_product_attention(dtype):
     q, k, v = (_normal(i, (1, 32, 2, 12), dtype) for i in range(3))
     kernel = pk.jax_pallas_mha(causal=True, block_q=16, block_k=16)
-    fwd, bwd = _fwd_bwd_errors(kernel, functools.partial(_attention_ref, causal=True), (q, k, v))
+    fwd, bwd = _fwd_bwd_errors(kernel, functools.partial(references.attention, causal=True), (q, k, v))
     assert fwd <= TOL[dtype] and bwd <= TOL[dtype], (fwd, bwd)
 
 

@@ -4,6 +4,8 @@ GEMMs) trained 20 steps with Adam reaches the same losses as the same program wi
 substitution, to float32 noise."""
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,23 +15,13 @@ import pytest
 
 import peat_jax as peat
 from peat_jax.kernels import pallas as pk
+from peat_jax.kernels import references
 
 VOCAB, D, HEADS, B, T, STEPS = 13, 16, 2, 4, 8, 20
 
-
-def _layer_norm(x, scale, bias, eps=1e-6):
-    mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
-
-
-def _causal_attention(q, k, v):
-    return nn.dot_product_attention(q, k, v, mask=nn.make_causal_mask(jnp.ones(q.shape[:2])))
-
-
-softmax = peat.region("softmax")(jax.nn.softmax)
-layer_norm = peat.region("layer_norm")(_layer_norm)
-attention = peat.region("attention")(_causal_attention)
+softmax = peat.region("softmax")(references.softmax)
+layer_norm = peat.region("layer_norm")(references.layer_norm)
+attention = peat.region("attention")(functools.partial(references.attention, causal=True))
 
 
 class Block(nn.Module):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax.errors import PeatError
+from peat_jax.regions import region_info
 
 __all__ = ["next_pow2", "fit_block", "check_block", "region_args", "float_reason",
            "dot_general_float_support"]
@@ -64,7 +65,6 @@ def region_args(site) -> Optional[tuple]:
     a primitive site. For a backward region site the trailing cotangent operands are left out."""
     if not getattr(site, "composite", False):
         return None
-    from peat_jax.regions import region_info
     info = region_info(site.params["region_id"])
     n = info.in_tree.num_leaves
     leaves = [jax.ShapeDtypeStruct(s, d) for s, d in zip(site.in_shapes[:n], site.in_dtypes[:n])]

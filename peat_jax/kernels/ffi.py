@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from peat_jax.errors import PeatError
-from peat_jax.kernels import Kernel, dot_general
 from peat_jax.kernels._support import dot_general_float_support
+from peat_jax.kernels.base import Kernel
+from peat_jax.kernels.matmul import dot_general
 
 __all__ = ["build_ffi_library", "register_ffi_target", "ffi_function", "ffi_kernel", "ffi_matmul",
            "CXXFLAGS"]

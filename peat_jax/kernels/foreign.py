@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax.errors import PeatError
-from peat_jax.kernels import Kernel
+from peat_jax.kernels.base import Kernel
 
 __all__ = ["numpy_kernel", "torch_kernel"]
 

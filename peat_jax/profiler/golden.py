@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax.errors import PeatError
-from peat_jax.profiler.hostio import quiet as _quiet, to_device as _to_device
+from peat_jax.profiler.hostio import quiet, to_device
 from peat_jax.profiler.rundir import (FORMAT, PathLike, RunDir, append_jsonl, atomic_write_json,
                                       environment, rewrite_jsonl, run_identity)
-from peat_jax.profiler.workload import Workload
+from peat_jax.profiler.workload import Workload, workload_factory
 
-__all__ = ["GoldenRun", "profile", "load_workload", "restore", "checkpoint_steps", "state_digest"]
+__all__ = ["GoldenRun", "checkpoint_steps", "load_workload", "profile", "restore", "scalar_metrics",
+           "state_digest"]
 
 Progress = Optional[Callable[[int, int], None]]
 
@@ -62,35 +63,43 @@ def _json_config(config) -> Any:
 
 def load_workload(manifest: dict, workload: Optional[Workload] = None) -> Workload:
     """The workload a run was made with: `workload` if given (checked against the manifest's
-    name and config), else the bundled workload named in the manifest, rebuilt from its
-    config."""
-    name = manifest["workload"]
+    name and config), else the registered workload named in the manifest, rebuilt from its
+    config (see `peat_jax.profiler.workload`)."""
     if workload is not None:
-        if not isinstance(workload, Workload):
-            raise PeatError(f"workload= must be a peat.Workload, got {type(workload).__name__}")
-        if workload.name != name:
-            raise PeatError(f"this run directory holds a golden run of workload {name!r}, but "
-                            f"workload={workload.name!r} was given")
-        config = _json_config(workload.config)
-        if config != manifest["config"]:
-            diff = sorted(k for k in set(config) | set(manifest["config"])
-                          if config.get(k) != manifest["config"].get(k))
-            run_config = manifest["config"]
-            raise PeatError(f"workload={name!r} was given with another config than this run's: "
-                            + ", ".join(f"{k}={config.get(k)!r} (run: {run_config.get(k)!r})"
-                                        for k in diff)
-                            + "; pass the workload the run was profiled with")
-        return workload
-    from peat_jax import models
-    if name not in models.available():
-        raise PeatError(f"workload {name!r} of this run is not bundled with peat_jax; pass the "
-                        "same workload object with workload=")
+        return _checked_against(manifest, workload)
+    name = manifest["workload"]
+    factory = workload_factory(name)
     try:
-        return models.get(name, **manifest["config"])
+        built = factory(**manifest["config"])
     except (TypeError, ValueError) as e:
         raise PeatError(f"the manifest's workload {name!r} cannot be built from its config "
                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); the "
-                        "manifest is damaged or from another peat_jax version") from None
+                        "manifest is damaged or from another version of the workload") from None
+    if not isinstance(built, Workload) or built.name != name:
+        got = built.name if isinstance(built, Workload) else type(built).__name__
+        raise PeatError(f"the factory registered for workload {name!r} returned {got!r}, not a "
+                        f"peat.Workload named {name!r}")
+    return built
+
+
+def _checked_against(manifest: dict, workload: Workload) -> Workload:
+    """`workload`, once it is known to be the manifest's (same name and config)."""
+    name = manifest["workload"]
+    if not isinstance(workload, Workload):
+        raise PeatError(f"workload= must be a peat.Workload, got {type(workload).__name__}")
+    if workload.name != name:
+        raise PeatError(f"this run directory holds a golden run of workload {name!r}, but "
+                        f"workload={workload.name!r} was given")
+    config = _json_config(workload.config)
+    if config != manifest["config"]:
+        diff = sorted(k for k in set(config) | set(manifest["config"])
+                      if config.get(k) != manifest["config"].get(k))
+        run_config = manifest["config"]
+        raise PeatError(f"workload={name!r} was given with another config than this run's: "
+                        + ", ".join(f"{k}={config.get(k)!r} (run: {run_config.get(k)!r})"
+                                    for k in diff)
+                        + "; pass the workload the run was profiled with")
+    return workload
 
 
 def _abstract_state(workload: Workload, seed: int):
@@ -109,7 +118,7 @@ def available_checkpoints(rd: RunDir) -> list[int]:
     """Checkpoint steps that Orbax considers complete, in order."""
     if not rd.checkpoints.exists():
         return []
-    with _quiet():
+    with quiet():
         mgr = _manager(rd)
         try:
             return sorted(int(s) for s in mgr.all_steps())
@@ -149,7 +158,7 @@ def restore(run_dir: PathLike, step: int, *, workload: Optional[Workload] = None
     others = [s for s in steps if s != step]
     remedy = f"use another checkpoint ({others}) or re-profile into a new directory"
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _abstract_state(wl, int(m["seed"])))
-    with _quiet():
+    with quiet():
         mgr = _manager(rd)
         try:
             state = mgr.restore(step, args=ocp.args.StandardRestore(target))
@@ -221,7 +230,8 @@ def _same_run(old: dict, new: dict) -> Optional[str]:
     return None
 
 
-def _scalars(metrics) -> dict[str, float]:
+def scalar_metrics(metrics) -> dict[str, float]:
+    """The scalar entries of a step's metrics, as Python floats (on the host)."""
     return {k: float(v) for k, v in jax.device_get(dict(metrics)).items() if np.ndim(v) == 0}
 
 
@@ -271,7 +281,7 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
             resumed_from = max(done)
     wanted = checkpoint_steps(steps, every)
     train_step = jax.jit(workload.train_step)
-    with _quiet():
+    with quiet():
         mgr = _manager(rd)
         try:
             if resumed_from is None:
@@ -290,8 +300,8 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
                 mgr.save(start, args=ocp.args.StandardSave(state))
             pending = []
             for i in range(start, steps):
-                state, metrics = train_step(state, _to_device(workload.batch(i)))
-                pending.append({"step": i, **_scalars(metrics)})
+                state, metrics = train_step(state, to_device(workload.batch(i)))
+                pending.append({"step": i, **scalar_metrics(metrics)})
                 if (i + 1) in wanted:
                     append_jsonl(rd.metrics_path, pending)
                     pending = []

@@ -10,7 +10,8 @@ import jax
 import numpy as np
 
 from peat_jax.errors import PeatError
-from peat_jax.profiler.golden import _quiet, _scalars, _to_device, load_workload, restore
+from peat_jax.profiler.golden import load_workload, restore, scalar_metrics
+from peat_jax.profiler.hostio import quiet, to_device
 from peat_jax.profiler.rundir import PathLike, RunDir, atomic_write_json
 from peat_jax.profiler.workload import Workload
 from peat_jax.schedule import Schedule, inject
@@ -153,19 +154,19 @@ def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substi
             raise PeatError(f"steps={steps} is beyond the golden run in {rd.path}, which has "
                             f"{len(golden)} steps; profile it longer or ask for fewer steps")
         golden = golden[:steps]
-        with _quiet():
+        with quiet():
             state0 = restore(rd.path, 0, workload=wl)
     step_fn = jax.jit(inject(wl.train_step, substitution, schedule, regions=regions))
     plain = jax.jit(wl.train_step) if golden is None else None
     state, gstate = state0, state0
     losses, golden_run = [], []
     for i in range(steps):
-        batch = _to_device(wl.batch(i))
+        batch = to_device(wl.batch(i))
         state, metrics = step_fn(state, batch, i)
-        losses.append(_scalars(metrics)["loss"])
+        losses.append(scalar_metrics(metrics)["loss"])
         if plain is not None:
             gstate, gm = plain(gstate, batch)
-            golden_run.append(_scalars(gm)["loss"])
+            golden_run.append(scalar_metrics(gm)["loss"])
         if progress is not None:
             progress(i + 1, steps)
     golden = golden if golden is not None else golden_run

@@ -23,8 +23,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from peat_jax.kernels import Kernel
 from peat_jax.kernels._support import check_block, fit_block, float_reason, next_pow2, region_args
+from peat_jax.kernels.base import Kernel
 from peat_jax.kernels.pallas import interpret as _interp
 from peat_jax.kernels.pallas.interpret import Checks
 

@@ -12,17 +12,18 @@ the checked interpreter (`checks=`) cannot run them (see `peat_jax.kernels.palla
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
 import jax.numpy as jnp
 
 from peat_jax.errors import PeatError
-from peat_jax.kernels import Kernel
 from peat_jax.kernels._support import check_block, region_args
+from peat_jax.kernels.base import Kernel
 from peat_jax.kernels.pallas import interpret as _interp
 from peat_jax.kernels.pallas.attention import attention_supports
-from peat_jax.kernels.pallas.layer_norm import _supports as layer_norm_supports
+from peat_jax.kernels.pallas.layer_norm import layer_norm_supports
 
 __all__ = ["jax_pallas_layer_norm", "jax_pallas_mha"]
 
@@ -54,7 +55,7 @@ def jax_pallas_layer_norm(eps: float = 1e-6, *, interpret: Optional[bool] = None
         y = _ln.layer_norm(x3, scale, bias, None, 3, eps, "triton", mode)
         return y.reshape(x.shape).astype(out_dtype)
 
-    return Kernel(name, impl, supports=layer_norm_supports(name))
+    return Kernel(name, impl, supports=functools.partial(layer_norm_supports, name))
 
 
 def jax_pallas_mha(causal: bool = False, *, sm_scale: Optional[float] = None, block_q: int = 32,

@@ -17,13 +17,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from peat_jax.errors import PeatError
-from peat_jax.kernels import Kernel
 from peat_jax.kernels._support import (check_block, fit_block, float_reason, next_pow2,
                                        region_args)
+from peat_jax.kernels.base import Kernel
 from peat_jax.kernels.pallas import interpret as _interp
 from peat_jax.kernels.pallas.interpret import Checks
 
-__all__ = ["pallas_layer_norm", "layer_norm", "flax_layer_norm", "MAX_ROW"]
+__all__ = ["MAX_ROW", "flax_layer_norm", "layer_norm", "layer_norm_supports", "pallas_layer_norm"]
 
 MAX_ROW = 1 << 16  # features of one row held by one program
 
@@ -173,17 +173,16 @@ def _shape_reason(name: str, x, scale, bias) -> Optional[str]:
     return float_reason(name, [x.dtype, scale.dtype, bias.dtype])
 
 
-def _supports(name: str):
-    def supports(site) -> Optional[str]:
-        args = region_args(site)
-        if args is None:
-            return (f"{name} replaces a layer_norm(x, scale, bias) region, not the primitive "
-                    f"site {site.primitive!r}")
-        if len(args) != 3:
-            return f"{name} needs a region layer_norm(x, scale, bias), got {len(args)} arguments"
-        return _shape_reason(name, *args)
-
-    return supports
+def layer_norm_supports(name: str, site) -> Optional[str]:
+    """None if `site` is a `layer_norm(x, scale, bias)` region this kernel serves (last axis,
+    rows up to `MAX_ROW`), else the reason (naming the kernel `name`)."""
+    args = region_args(site)
+    if args is None:
+        return (f"{name} replaces a layer_norm(x, scale, bias) region, not the primitive "
+                f"site {site.primitive!r}")
+    if len(args) != 3:
+        return f"{name} needs a region layer_norm(x, scale, bias), got {len(args)} arguments"
+    return _shape_reason(name, *args)
 
 
 def pallas_layer_norm(eps: float = 1e-6, *, block_rows: int = 16,
@@ -203,7 +202,7 @@ def pallas_layer_norm(eps: float = 1e-6, *, block_rows: int = 16,
     name = (f"pallas_layer_norm(eps={cfg.eps:g}, block_rows={cfg.block_rows}"
             f"{', checked' if cfg.checks else ''})")
     return Kernel(name, lambda x, scale, bias: _layer_norm(x, scale, bias, cfg),
-                  supports=_supports(name))
+                  supports=functools.partial(layer_norm_supports, name))
 
 
 # --------------------------------------------------------------------------------------------

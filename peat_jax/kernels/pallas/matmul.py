@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from peat_jax.kernels import Kernel, dot_general
 from peat_jax.kernels._support import check_block, dot_general_float_support, fit_block
+from peat_jax.kernels.base import Kernel
+from peat_jax.kernels.matmul import dot_general
 from peat_jax.kernels.pallas import interpret as _interp
 from peat_jax.kernels.pallas.interpret import Checks
 

@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from peat_jax.kernels import Kernel
 from peat_jax.kernels._support import (check_block, fit_block, float_reason, next_pow2,
                                        region_args)
+from peat_jax.kernels.base import Kernel
 from peat_jax.kernels.pallas import interpret as _interp
 from peat_jax.kernels.pallas.interpret import Checks
 
-__all__ = ["pallas_softmax", "softmax", "MAX_ROW"]
+__all__ = ["MAX_ROW", "pallas_softmax", "softmax", "softmax_supports"]
 
 MAX_ROW = 1 << 16  # elements of one row held by one program
 
@@ -117,23 +117,22 @@ def softmax(x: jax.Array, *, block_rows: int = 16, interpret: Optional[bool] = N
     return _softmax(x, _config(block_rows, interpret, checks))
 
 
-def _supports(name: str):
-    def supports(site) -> Optional[str]:
-        args = region_args(site)
-        if args is None:
-            return (f"{name} replaces a softmax region (a function marked with "
-                    f"peat.region), not the primitive site {site.primitive!r}")
-        if len(args) != 1 or not isinstance(args[0], jax.ShapeDtypeStruct):
-            return f"{name} needs a region softmax(x) of one array, got {len(args)} arguments"
-        x = args[0]
-        if len(x.shape) < 1:
-            return f"{name} needs x with at least one axis, got a scalar"
-        if x.shape[-1] > MAX_ROW:
-            return (f"{name} holds a whole row in one program: rows of {x.shape[-1]} elements "
-                    f"exceed {MAX_ROW}")
-        return float_reason(name, [x.dtype])
-
-    return supports
+def softmax_supports(name: str, site) -> Optional[str]:
+    """None if `site` is a `softmax(x)` region this kernel serves (last axis, rows up to
+    `MAX_ROW`), else the reason (naming the kernel `name`)."""
+    args = region_args(site)
+    if args is None:
+        return (f"{name} replaces a softmax region (a function marked with "
+                f"peat.region), not the primitive site {site.primitive!r}")
+    if len(args) != 1 or not isinstance(args[0], jax.ShapeDtypeStruct):
+        return f"{name} needs a region softmax(x) of one array, got {len(args)} arguments"
+    x = args[0]
+    if len(x.shape) < 1:
+        return f"{name} needs x with at least one axis, got a scalar"
+    if x.shape[-1] > MAX_ROW:
+        return (f"{name} holds a whole row in one program: rows of {x.shape[-1]} elements "
+                f"exceed {MAX_ROW}")
+    return float_reason(name, [x.dtype])
 
 
 def pallas_softmax(block_rows: int = 16, *, interpret: Optional[bool] = None,
@@ -151,4 +150,5 @@ def pallas_softmax(block_rows: int = 16, *, interpret: Optional[bool] = None,
     """
     cfg = _config(block_rows, interpret, checks)
     name = f"pallas_softmax(block_rows={cfg.block_rows}{', checked' if cfg.checks else ''})"
-    return Kernel(name, lambda x: _softmax(x, cfg), supports=_supports(name))
+    return Kernel(name, lambda x: _softmax(x, cfg),
+                  supports=functools.partial(softmax_supports, name))
