@@ -11,12 +11,13 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from peat_jax.errors import PeatError
 from peat_jax.faults import Fault
 from peat_jax.sites import Site
-from peat_jax.substitute import Substitution, _Substituted
+from peat_jax.substitute import Substitution, Substituted
 
 __all__ = ["Schedule", "every", "at_steps", "with_probability", "inject"]
 
@@ -97,7 +98,7 @@ def with_probability(p: float, seed: int = 0) -> Schedule:
     return Schedule("with_probability", fires, {"p": p, "seed": seed})
 
 
-class _Injected(_Substituted):
+class _Injected(Substituted):
     def __init__(self, train_step, substitution, schedule, **kw):
         if not isinstance(schedule, Schedule):
             raise PeatError(f"inject needs a peat schedule (peat.every / peat.at_steps / "
@@ -116,7 +117,27 @@ class _Injected(_Substituted):
                                       site.index)
             return jax.random.fold_in(base, step)
 
-        return self.run((state, batch), {}, lambda site: on, key_for)
+        def fire(state, batch):
+            return self.run((state, batch), {}, lambda site: None, key_for)
+
+        def plain(state, batch):
+            return self._fn(state, batch)
+
+        # One conditional for the whole step, not one per site: a step that does not fire runs
+        # the plain train step's own program (bitwise the plain step, whatever XLA fuses), and
+        # an accelerator pays one branch per step rather than one per site.
+        want = jax.eval_shape(plain, state, batch)
+        return lax.cond(on, _typed(fire, want), _typed(plain, want), state, batch)
+
+
+def _typed(fn: Callable, want) -> Callable:
+    """`fn` with its outputs cast to `want`'s dtypes as strong types (a no-op on the values), so
+    that two such functions can be the branches of one `lax.cond`."""
+
+    def typed(*args):
+        return jax.tree.map(lambda o, w: lax.convert_element_type(o, w.dtype), fn(*args), want)
+
+    return typed
 
 
 def inject(train_step: Callable, substitution: Substitution, schedule: Schedule, *,
@@ -124,9 +145,8 @@ def inject(train_step: Callable, substitution: Substitution, schedule: Schedule,
     """`step_fn(state, batch, step)`: `train_step` with the candidate active on scheduled steps.
 
     The schedule is evaluated on `step` (a traced int is fine), so a jitted `step_fn` compiles
-    once for the whole run; on steps where it does not fire the result is what `train_step`
-    computes with the same switches in place (bitwise equal to the plain step in the programs
-    measured, see NOTES). A fault's randomness is drawn from `fold_in(key(seed), site, step)`, so
+    once for the whole run; on steps where it does not fire, `train_step`'s own program runs
+    (the two are the branches of one `lax.cond` per step), so the result is the plain step's. A fault's randomness is drawn from `fold_in(key(seed), site, step)`, so
     each firing step gets its own reproducible pattern.
     """
     return _Injected(train_step, substitution, schedule, primitives=primitives, regions=regions)

@@ -25,7 +25,7 @@ from peat_jax.faults import Fault
 from peat_jax.kernels import Kernel
 from peat_jax.sites import Site, Tracer, Traced, select
 
-__all__ = ["Active", "Candidate", "OnError", "Substitution", "fault_key", "make_rules", "resolve",
+__all__ = ["Substituted", "Active", "Candidate", "OnError", "Substitution", "fault_key", "make_rules", "resolve",
            "run_rules", "substitute", "switched"]
 
 Candidate = Union[Kernel, Fault]
@@ -245,7 +245,7 @@ def run_rules(traced: Traced, rules: Mapping[int, Any], args, kwargs, *,
     return (tree, sides) if with_sides else tree
 
 
-class _Substituted:
+class Substituted:
     """`fn` with a substitution; traced per argument structure, then re-evaluated."""
 
     def __init__(self, fn, substitution, *, primitives=None, regions=(), mode="static"):
@@ -254,6 +254,7 @@ class _Substituted:
                             f"{type(substitution).__name__}")
         for sel, cand in substitution.items():
             _check_candidate(cand, sel)
+        self._fn = fn
         self._tracer = Tracer(fn, primitives=primitives, regions=regions)
         self._substitution = dict(substitution)
         self._mode = mode
@@ -284,12 +285,12 @@ class _Substituted:
             return run_rules(traced, rules, args, kwargs)
 
 
-class _Static(_Substituted):
+class _Static(Substituted):
     def __call__(self, *args, **kwargs):
         return self.run(args, kwargs, lambda site: None, fault_key)
 
 
-class _Switched(_Substituted):
+class _Switched(Substituted):
     def __call__(self, site_index, *args, **kwargs):
         site_index = jnp.asarray(site_index, jnp.int32)
         if site_index.ndim != 0:

@@ -72,13 +72,19 @@ class InterpretChecks:
     def params(self):
         """These checks as the installed jax's `pltpu.InterpretParams`."""
         from jax.experimental.pallas import tpu as pltpu
-        return pltpu.InterpretParams(
+        options = dict(
             detect_races=bool(self.detect_races),
             out_of_bounds_reads="raise" if self.out_of_bounds == "raise" else "uninitialized",
             uninitialized_memory=self.uninitialized,
             num_cores_or_threads=int(self.num_cores),
             random_seed=self.seed,
         )
+        if "on_race" in {f.name for f in dataclasses.fields(pltpu.InterpretParams)}:
+            # jax >= 0.12 raises a RuntimeError from inside the kernel by default; record the
+            # race instead, so that it is reported as on older releases (a PeatError after the
+            # kernel ran, naming the kernel)
+            options["on_race"] = "warn"
+        return pltpu.InterpretParams(**options)
 
 
 Checks = Union[None, bool, InterpretChecks]
