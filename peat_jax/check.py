@@ -20,6 +20,7 @@ import numpy as np
 from peat_jax.analyzer import analyze
 from peat_jax.detector import Diagnosis, detect, severity
 from peat_jax.errors import PeatError
+from peat_jax.formats import float_format
 
 __all__ = ["REFERENCE_SPREAD_FACTOR", "VARIANTS", "check_kernel", "make_variant"]
 
@@ -55,14 +56,9 @@ def _pow2_scale(x: np.ndarray, target_log2: float) -> np.ndarray:
     return (x.astype(np.float64) * 2.0 ** k).astype(x.dtype)
 
 
-def _float_info(dtype) -> tuple[int, int, int]:
-    """(emax, emin, nmant) of a float dtype."""
-    fi = jnp.finfo(dtype)
-    return int(fi.maxexp) - 1, int(fi.minexp), int(fi.nmant)
-
-
 def _variant_leaf(name: str, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    emax, emin, _ = _float_info(x.dtype)
+    fmt = float_format(x.dtype)
+    emax, emin = fmt.max_exponent, fmt.min_exponent
     if name == "large":
         return _pow2_scale(x, emax / 4)
     if name == "tiny":

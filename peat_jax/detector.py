@@ -24,23 +24,19 @@ import itertools
 import math
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional
 
-import ml_dtypes
 import numpy as np
 
+from peat_jax import taxonomy
 from peat_jax.analyzer import Signature
 from peat_jax.errors import PeatError
+from peat_jax.formats import bit_class, float_format
 
 __all__ = ["Diagnosis", "MODELS", "PASSING", "RULES", "Rule", "detect", "severity"]
 
-MODELS: tuple[str, ...] = (
-    "exact", "numerical_noise", "reduced_precision", "low_precision_accumulation",
-    "flush_to_zero", "bit_flip", "multi_bit_flip", "random_value", "zeroed",
-    "operand_corruption", "wrong_scale", "sign_flip", "permuted_layout", "tile_boundary",
-    "nan_inf", "nondeterministic", "unknown",
-)
-"""Every model name `detect` can return (DESIGN.md's taxonomy)."""
+MODELS: tuple[str, ...] = taxonomy.MODELS
+"""Every model name `detect` can return (`peat_jax.taxonomy`; docs/design.md)."""
 
-PASSING: frozenset = frozenset({"exact", "numerical_noise"})
+PASSING: frozenset = taxonomy.PASSING
 
 SLOPE_THRESHOLD = 0.2
 """Error slope separating rounded inputs (error independent of the value, slope ~0) from an
@@ -116,24 +112,6 @@ def _isolated_limit(s: Signature) -> int:
     return max(1, min(8, int(0.01 * s.counts.elements)))
 
 
-def _fmt_bits(dtype: str) -> tuple[int, int]:
-    """(total bits, mantissa bits)."""
-    return {"float16": (16, 10), "bfloat16": (16, 7), "float32": (32, 23),
-            "float64": (64, 52)}.get(dtype, (32, 23))
-
-
-def _bit_class(bit: int, dtype: str) -> str:
-    bits, nmant = _fmt_bits(dtype)
-    if bit == bits - 1:
-        return "sign"
-    return "exponent" if bit >= nmant else "mantissa"
-
-
-_NP_UINT = {16: np.uint16, 32: np.uint32, 64: np.uint64}
-_NP_FLOAT = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
-             "float64": np.float64}
-
-
 def _fault_bits(w, dtype: str) -> tuple[int, ...]:
     """The bits a fault flipped in element `w`.
 
@@ -147,11 +125,11 @@ def _fault_bits(w, dtype: str) -> tuple[int, ...]:
     """
     if w.noise_bits == 0:
         return w.differing_bits
-    bits, _ = _fmt_bits(dtype)
-    ut, ft = _NP_UINT[bits], _NP_FLOAT.get(dtype, np.float32)
+    f = float_format(dtype)
+    ut, ft = f.uint, f.scalar
     tol = 2.0 * w.floor
     for k in range(1, _flip_limit(dtype) + 1):
-        combos = list(itertools.combinations(range(bits), k))
+        combos = list(itertools.combinations(range(f.bits), k))
         if len(combos) > 50_000:
             break
         masks = np.array([sum(1 << b for b in c) for c in combos], dtype=np.uint64).astype(ut)
@@ -296,7 +274,7 @@ def _stuck_at(s: Signature) -> Optional[_Match]:
     if stuck is None:
         return None
     bit, value = stuck
-    cls = _bit_class(bit, s.dtype)
+    cls = bit_class(bit, s.dtype)
     ev = {"pattern": "stuck_at", "bit": bit, "bit_class": cls, "value": value,
           "elements": c.significant, "share": c.significant / _n(s)}
     return _Match(ev, 1.0, f"bit {bit} ({cls}) is forced to {value} in {c.significant} of "
@@ -319,7 +297,7 @@ def _bit_flip(s: Signature) -> Optional[_Match]:
             return None
         flips.append((w, hb[0]))
     w, bit = flips[0]
-    cls = _bit_class(bit, s.dtype)
+    cls = bit_class(bit, s.dtype)
     ev = {"pattern": "isolated", "elements": [list(x.index) for x, _ in flips],
           "bits": [b for _, b in flips], "bit": bit, "bit_class": cls,
           "candidate": w.candidate, "golden": w.golden}
@@ -331,15 +309,15 @@ def _bit_flip(s: Signature) -> Optional[_Match]:
 def _flip_limit(dtype: str) -> int:
     """Most differing bits a multi-bit flip may have (T): more is indistinguishable from a
     random value."""
-    return {16: 3, 32: 4, 64: 6}.get(_fmt_bits(dtype)[0], 4)
+    return {16: 3, 32: 4, 64: 6}.get(float_format(dtype).bits, 4)
 
 
 def _canonical_nonfinite(w, dtype: str) -> bool:
     """An infinity, or a NaN whose mantissa is only the quiet bit (what arithmetic produces),
     as opposed to a NaN keeping the golden's mantissa bits (an exponent bit flip)."""
-    bits, nmant = _fmt_bits(dtype)
-    mant = w.candidate_bits & ((1 << nmant) - 1)
-    return mant in (0, 1 << (nmant - 1))
+    f = float_format(dtype)
+    mant = w.candidate_bits & f.mantissa_mask
+    return mant in (0, 1 << (f.mantissa_bits - 1))
 
 
 def _nan_inf(s: Signature) -> Optional[_Match]:
@@ -375,7 +353,7 @@ def _multi_bit_flip(s: Signature) -> Optional[_Match]:
     if not all(2 <= len(h) <= limit for h in per):
         return None
     w = s.worst[0]
-    classes = sorted({_bit_class(b, s.dtype) for b in per[0]})
+    classes = sorted({bit_class(b, s.dtype) for b in per[0]})
     ev = {"elements": [list(x.index) for x in s.worst], "bits": [list(h) for h in per],
           "classes": classes}
     return _Match(ev, 0.9, f"{len(per[0])} bits differ at {_idx(w)}: bits "
@@ -553,7 +531,7 @@ def _reduced_precision(s: Signature) -> Optional[_Match]:
     if not _dense_numerical(s):
         return None
     p, e = s.precision, s.errors
-    _, nmant = _fmt_bits(s.dtype)
+    nmant = float_format(s.dtype).mantissa_bits
     if p.on_narrow_grid:
         if p.beyond_half_ulp_on_grid > GRID_TOLERANCE:
             return None
@@ -584,7 +562,7 @@ def _low_precision_accumulation(s: Signature) -> Optional[_Match]:
     if not _dense_numerical(s):
         return None
     p, e = s.precision, s.errors
-    _, nmant = _fmt_bits(s.dtype)
+    nmant = float_format(s.dtype).mantissa_bits
     ev = {"effective_mantissa_bits": round(p.effective_mantissa_bits, 1),
           "error_slope": e.error_slope, "bias_t": e.bias_t,
           "candidate_grid_bits": p.candidate_grid_bits}
@@ -654,16 +632,11 @@ RULES: tuple[Rule, ...] = (
 )
 """The ordered sufficient conditions; the first that holds decides the model."""
 
-_SEVERITY = {
-    "exact": 0, "numerical_noise": 1, "flush_to_zero": 4, "reduced_precision": 5,
-    "low_precision_accumulation": 5, "nondeterministic": 7, "nan_inf": 9,
-}
-
 
 def severity(d: Diagnosis) -> tuple:
     """Sort key of diagnoses, worst last: failing before passing, then by model class (nan_inf
     worst; precision models milder than faults and bugs), then by the evidence's floor ratio."""
-    rank = _SEVERITY.get(d.model, 8)
+    rank = taxonomy.severity_rank(d.model)
     ratio = d.evidence.get("max_floor_ratio", 0.0)
     try:
         ratio = float(ratio)

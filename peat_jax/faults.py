@@ -5,7 +5,7 @@ A `Fault` turns the golden output of one op into a faulty one:
 the correct output (one array). Faults emulate hardware faults (bit flips, stuck bits, garbage
 values) and kernel bugs (wrong scale, sign, layout, tile edges, reduced precision), and they
 calibrate the detector: each fault's ``name`` is the error-model name of the taxonomy it should be
-diagnosed as (see ``DESIGN.md``), except ``stuck_at``, which the detector sees as ``bit_flip``.
+diagnosed as (see ``docs/design.md``), except ``stuck_at``, which the detector sees as ``bit_flip``.
 
 Conventions shared by every fault:
 
@@ -41,7 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from peat_jax import taxonomy
 from peat_jax.errors import PeatError
+from peat_jax.formats import TF32, float_format, from_bits, to_bits
 
 __all__ = [
     "ALL",
@@ -140,53 +142,8 @@ def _check_index(index) -> Index:
 # Small helpers: dtypes and bit patterns
 # ----------------------------------------------------------------------------------------------
 
-_UINT = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
-
-
-class _Layout(NamedTuple):
-    """Bit layout of a float dtype: total bits, mantissa bits, exponent bits, unsigned twin."""
-
-    bits: int
-    nmant: int
-    nexp: int
-    uint: Any
-
-    @property
-    def exp_mask(self) -> int:
-        return ((1 << self.nexp) - 1) << self.nmant
-
-
 def _is_float(dtype) -> bool:
     return dtype is not None and jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-
-
-def _layout(dtype) -> _Layout:
-    fi = jnp.finfo(dtype)
-    return _Layout(int(fi.bits), int(fi.nmant), int(fi.nexp), _UINT[int(fi.bits)])
-
-
-def _to_bits(x):
-    return lax.bitcast_convert_type(x, _layout(x.dtype).uint)
-
-
-def _from_bits(u, dtype):
-    return lax.bitcast_convert_type(u, dtype)
-
-
-def _compute_dtype(dtype):
-    """float32, or float64 for float64 outputs: the dtype random values are drawn in."""
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def _bit_ranges(dtype) -> dict:
-    """Bit positions per class as half-open ``(lo, hi)`` ranges, for `dtype`."""
-    lay = _layout(dtype)
-    return {
-        "mantissa": (0, lay.nmant),
-        "exponent": (lay.nmant, lay.nmant + lay.nexp),
-        "sign": (lay.bits - 1, lay.bits),
-        None: (0, lay.bits),
-    }
 
 
 def _as_key(key, seed: int):
@@ -256,7 +213,7 @@ def _auto_scale(x):
 
     Returned as a scalar in the compute dtype (float32, or float64 for float64 outputs).
     """
-    cdt = _compute_dtype(x.dtype)
+    cdt = float_format(x.dtype).compute_dtype
     a = jnp.abs(x.astype(cdt))
     m = jnp.max(jnp.where(jnp.isfinite(a), a, 0), initial=0)
     s = jnp.where(m > 0, 4 * m, 1)
@@ -270,22 +227,22 @@ def _random_differing(key, orig, s):
     because ``|orig| <= s`` there and stays within ``[-s/2, s/2]``; where even that rounds back
     (`s` below the dtype's resolution), the last bit of the original pattern is flipped.
     """
-    cdt = _compute_dtype(orig.dtype)
+    cdt = float_format(orig.dtype).compute_dtype
     s = jnp.asarray(s, cdt)
     v = (jax.random.uniform(key, orig.shape, cdt, -1.0, 1.0) * s).astype(orig.dtype)
     o = orig.astype(cdt)
     alt = jnp.where(o >= 0, o - s / 2, o + s / 2).astype(orig.dtype)
-    ob = _to_bits(orig)
-    last = _from_bits(ob ^ jnp.ones((), ob.dtype), orig.dtype)
-    alt = jnp.where((alt == orig) | (_to_bits(alt) == ob), last, alt)
-    return jnp.where((v == orig) | (_to_bits(v) == ob), alt, v)
+    ob = to_bits(orig)
+    last = from_bits(ob ^ jnp.ones((), ob.dtype), orig.dtype)
+    alt = jnp.where((alt == orig) | (to_bits(alt) == ob), last, alt)
+    return jnp.where((v == orig) | (to_bits(v) == ob), alt, v)
 
 
 # ----------------------------------------------------------------------------------------------
 # Precision rounding
 # ----------------------------------------------------------------------------------------------
 
-_PRECISIONS = {"tf32": 10, "bf16": 7, "fp16": 10}
+_PRECISIONS = {"tf32": TF32, "bf16": float_format("bfloat16"), "fp16": float_format("float16")}
 _PRECISION_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
 
@@ -295,11 +252,10 @@ def _normalise_precision(name: str, value) -> str:
 
 
 def _precision_noop(dtype, precision: str) -> bool:
-    """True when `dtype` is already as narrow as `precision` (mantissa, and range for fp16)."""
-    lay = _layout(dtype)
-    if lay.nmant > _PRECISIONS[precision]:
-        return False
-    return precision != "fp16" or lay.nexp <= 5
+    """True when `dtype` is already as narrow as `precision`: no more mantissa bits, and no
+    wider exponent range."""
+    f, target = float_format(dtype), _PRECISIONS[precision]
+    return f.mantissa_bits <= target.mantissa_bits and f.exponent_bits <= target.exponent_bits
 
 
 def _round_mantissa(x, keep: int):
@@ -308,16 +264,16 @@ def _round_mantissa(x, keep: int):
     Integer-only on the bit pattern: carries into the exponent (up to inf) as a narrower format
     would; NaN and inf are returned unchanged. Returns `x`'s dtype.
     """
-    lay = _layout(x.dtype)
-    drop = lay.nmant - keep
+    f = float_format(x.dtype)
+    drop = f.mantissa_bits - keep
     if drop <= 0:
         return x
-    u = _to_bits(x)
-    ut = lay.uint
+    u = to_bits(x)
+    ut = f.uint
     lsb = (u >> ut(drop)) & ut(1)
-    rounded = (u + ut((1 << (drop - 1)) - 1) + lsb) & ut(~((1 << drop) - 1) & ((1 << lay.bits) - 1))
-    special = (u & ut(lay.exp_mask)) == ut(lay.exp_mask)
-    return _from_bits(jnp.where(special, u, rounded), x.dtype)
+    rounded = (u + ut((1 << (drop - 1)) - 1) + lsb) & ut(~((1 << drop) - 1) & ((1 << f.bits) - 1))
+    special = (u & ut(f.exponent_mask)) == ut(f.exponent_mask)
+    return from_bits(jnp.where(special, u, rounded), x.dtype)
 
 
 def _round_to(x, precision: str):
@@ -331,7 +287,7 @@ def _round_to(x, precision: str):
         return x
     if precision == "fp16":
         return x.astype(jnp.float16).astype(x.dtype)
-    return _round_mantissa(x, _PRECISIONS[precision])
+    return _round_mantissa(x, _PRECISIONS[precision].mantissa_bits)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -430,7 +386,7 @@ def _make(name: str, params: dict, core: Callable,
 def _bits_problem(bits: Sequence[int], n_bits: int, ctx: _Ctx) -> Optional[_Problem]:
     if ctx.out_dtype is None or not _is_float(ctx.out_dtype):
         return None
-    width = _layout(ctx.out_dtype).bits
+    width = float_format(ctx.out_dtype).bits
     bad = [b for b in bits if b >= width]
     if bad:
         return _Problem(f"bit {bad[0]} does not exist in {jnp.dtype(ctx.out_dtype).name} "
@@ -442,9 +398,9 @@ def _bits_problem(bits: Sequence[int], n_bits: int, ctx: _Ctx) -> Optional[_Prob
 
 def _xor_element(out, idx, mask):
     """`out` with the bit pattern of flat element `idx` XOR-ed with `mask` (unsigned scalar)."""
-    u = _to_bits(out).reshape(-1)
+    u = to_bits(out).reshape(-1)
     u = u.at[idx].set(u[idx] ^ mask)
-    return _from_bits(u, out.dtype)
+    return from_bits(u, out.dtype)
 
 
 def bit_flip(bit: Optional[int] = None, *, bit_class: Optional[str] = None, index: Index = None,
@@ -477,15 +433,15 @@ def bit_flip(bit: Optional[int] = None, *, bit_class: Optional[str] = None, inde
                 or _bits_problem([] if bit is None else [bit], 1, ctx))
 
     def core(out, reference, operands, key, site):
-        lay = _layout(out.dtype)
+        f = float_format(out.dtype)
         k_idx, k_bit = jax.random.split(key)
         idx = _pick(k_idx, out.size, 1, _static_flat(index, out.shape))[0]
         if bit is not None:
-            mask = lay.uint(1 << bit)
+            mask = f.uint(1 << bit)
         else:
-            lo, hi = _bit_ranges(out.dtype)[bit_class]
+            lo, hi = f.bit_range(bit_class)
             b = jax.random.randint(k_bit, (), lo, hi, dtype=jnp.int32)
-            mask = jnp.left_shift(jnp.ones((), lay.uint), b.astype(lay.uint))
+            mask = jnp.left_shift(jnp.ones((), f.uint), b.astype(f.uint))
         return _xor_element(out, idx, mask)
 
     return _make("bit_flip", params, core, check)
@@ -525,14 +481,14 @@ def multi_bit_flip(bits: Optional[Sequence[int]] = None, *, n_bits: int = 2, ind
                 or _bits_problem(bits or (), n_bits, ctx))
 
     def core(out, reference, operands, key, site):
-        lay = _layout(out.dtype)
+        f = float_format(out.dtype)
         k_idx, k_bit = jax.random.split(key)
         idx = _pick(k_idx, out.size, 1, _static_flat(index, out.shape))[0]
         if bits is not None:
-            mask = lay.uint(sum(1 << b for b in bits))
+            mask = f.uint(sum(1 << b for b in bits))
         else:
-            chosen = _distinct(k_bit, lay.bits, n_bits).astype(lay.uint)
-            mask = jnp.sum(jnp.left_shift(jnp.ones((), lay.uint), chosen), dtype=lay.uint)
+            chosen = _distinct(k_bit, f.bits, n_bits).astype(f.uint)
+            mask = jnp.sum(jnp.left_shift(jnp.ones((), f.uint), chosen), dtype=f.uint)
         return _xor_element(out, idx, mask)
 
     return _make("multi_bit_flip", params, core, check)
@@ -588,7 +544,7 @@ def random_value(*, count: int = 1, index: Index = None, seed: int = 0,
         idx = _pick(k_idx, out.size, count, _static_flat(index, out.shape))
         flat = out.reshape(-1)
         s = _auto_scale(out) if scale is None else jnp.minimum(
-            jnp.asarray(scale, _compute_dtype(out.dtype)), jnp.finfo(out.dtype).max)
+            jnp.asarray(scale, float_format(out.dtype).compute_dtype), jnp.finfo(out.dtype).max)
         new = _random_differing(k_val, flat[idx], s)
         return flat.at[idx].set(new)
 
@@ -691,12 +647,12 @@ def stuck_at(bit: int, value: int = 1, *, fraction: float = 1.0, seed: int = 0) 
                 or _fraction_problem(fraction, ctx))
 
     def core(out, reference, operands, key, site):
-        lay = _layout(out.dtype)
+        f = float_format(out.dtype)
         mask = _mask_k(key, out.size, _count(fraction, out.size))
-        u = _to_bits(out).reshape(-1)
-        b = lay.uint(1 << bit)
-        forced = (u | b) if value else (u & lay.uint(~(1 << bit) & ((1 << lay.bits) - 1)))
-        return _from_bits(jnp.where(mask, forced, u), out.dtype)
+        u = to_bits(out).reshape(-1)
+        b = f.uint(1 << bit)
+        forced = (u | b) if value else (u & f.uint(~(1 << bit) & ((1 << f.bits) - 1)))
+        return from_bits(jnp.where(mask, forced, u), out.dtype)
 
     return _make("stuck_at", params, core, check)
 
@@ -881,7 +837,7 @@ def low_precision_accumulation(dtype: str = "bf16", *, chunk: int = 8, seed: int
         axes = tuple(ax % jnp.ndim(o) for ax, o in zip(axes, operands))
         sliced_ops, rest = operands[:len(axes)], operands[len(axes):]
         length = jnp.shape(sliced_ops[0])[axes[0]]
-        cdt = _compute_dtype(out.dtype)
+        cdt = float_format(out.dtype).compute_dtype
 
         def partial(start, size):
             parts = tuple(lax.dynamic_slice_in_dim(o, start, size, ax)
@@ -1105,18 +1061,11 @@ ALL: tuple[str, ...] = (
 )
 """Names of the fault constructors in this module (``getattr(faults, name)``)."""
 
-_CONSTRUCTOR_OF_NAME = {
-    "bit_flip": "bit_flip", "multi_bit_flip": "multi_bit_flip", "random_value": "random_value",
-    "zeroed": "zero", "stuck_at": "stuck_at", "wrong_scale": "scale", "sign_flip": "sign_flip",
-    "reduced_precision": "truncate", "low_precision_accumulation": "low_precision_accumulation",
-    "tile_boundary": "tile_boundary", "permuted_layout": "permute",
-    "operand_corruption": "operand_corruption", "nan_inf": "nan_inf",
-}
-
 
 def _describe_params(name: str, params: Mapping[str, Any]) -> str:
     """The constructor call for a fault `name` with `params`, default-valued arguments left out."""
-    ctor_name = _CONSTRUCTOR_OF_NAME.get(name)
+    # A fault is named after the model it emulates, except stuck_at (not a taxonomy model).
+    ctor_name = taxonomy.fault_constructor(name) or (name if name in ALL else None)
     ctor = globals().get(ctor_name) if ctor_name else None
     if ctor is None:
         return f"{name}({', '.join(f'{k}={v!r}' for k, v in params.items())})"

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from peat_jax import formats
 from peat_jax.analyzer import analyze
 from peat_jax.check import REFERENCE_SPREAD_FACTOR
 from peat_jax.detector import Diagnosis, detect
@@ -503,11 +504,6 @@ def diagnose_effect(golden, got, ref_spread=None) -> tuple[Diagnosis, str]:
 _MASK_SIDE = 48
 
 
-def _bit_classes(dtype: str, nbits: int) -> list[str]:
-    mant = {"float32": 23, "bfloat16": 7, "float16": 10, "float64": 52}.get(dtype, nbits - 9)
-    return ["mantissa" if i < mant else "sign" if i == nbits - 1 else "exponent" for i in range(nbits)]
-
-
 @jax.jit
 def _mask_grid(c, r):
     """Fraction of differing elements in each block of a <= 48 x 48 grid over the output viewed
@@ -529,7 +525,7 @@ def _compact_signature(sig, c, r) -> dict:
         out["ulp_histogram"] = [int(x) for x in sig.errors.ulp_histogram]
     if sig.bits is not None:
         out["bit_histogram"] = [int(x) for x in sig.bits.histogram]
-        out["bit_classes"] = _bit_classes(sig.dtype, len(out["bit_histogram"]))
+        out["bit_classes"] = formats.bit_classes(sig.dtype)
     grid = np.asarray(_mask_grid(c, r))
     out["mask"] = [[round(float(v), 3) for v in row] for row in grid]
     rows = int(np.prod(c.shape[:-1])) if c.ndim > 1 else 1

@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence, Union
 import jax
 import numpy as np
 
+from peat_jax import taxonomy
 from peat_jax.errors import PeatError
 from peat_jax.profiler.golden import load_workload, restore, scalar_metrics
 from peat_jax.profiler.hostio import quiet, to_device
@@ -19,8 +20,7 @@ from peat_jax.substitute import Substitution
 
 __all__ = ["RuntimeResult", "runtime", "classify_outcome", "OUTCOMES"]
 
-OUTCOMES = ("masked", "immediate_nan_inf", "spike_and_recover", "slow_degrade", "sharp_degrade",
-            "diverged")
+OUTCOMES = taxonomy.OUTCOMES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,15 +12,12 @@ import json
 import pathlib
 from typing import Any, Optional
 
+from peat_jax import taxonomy
 from peat_jax.errors import PeatError
 from peat_jax.profiler.rundir import PathLike, RunDir, read_jsonl
 from peat_jax.report.plots import bar_chart, line_chart, mask_image
 
 __all__ = ["write_report", "render_report"]
-
-# Colours per verdict: passing models green, numeric-but-failing amber, faults and bugs red.
-_PASS = {"exact": "#2e7d32", "numerical_noise": "#66bb6a"}
-_NUMERIC = {"reduced_precision", "low_precision_accumulation", "flush_to_zero", "nondeterministic"}
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:24px;color:#222;max-width:1200px}
@@ -39,14 +36,10 @@ def _e(x: Any) -> str:
 
 
 def _colour(diag: Optional[dict]) -> str:
+    """The cell colour of a diagnosis (the taxonomy's colour of its verdict; grey for none)."""
     if not diag:
         return "#bbb"
-    model = diag.get("model", "")
-    if model in _PASS and diag.get("passed", False):
-        return _PASS[model]
-    if diag.get("passed", False):
-        return "#66bb6a"
-    return "#f9a825" if model in _NUMERIC else "#c62828"
+    return taxonomy.colour(diag.get("model", ""), diag.get("passed", False))
 
 
 def _table(rows: list[tuple[str, Any]]) -> str:

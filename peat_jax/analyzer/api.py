@@ -1,0 +1,156 @@
+"""`analyze`: checks its arguments, runs the device statistics of each leaf on one device and
+builds the `Signature` on the host."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from peat_jax.analyzer.build import build_signature, nonfloat_signature
+from peat_jax.analyzer.contract import Options
+from peat_jax.analyzer.device import leaf_stats, nonfloat_stats
+from peat_jax.analyzer.noise import (DEFAULT_NOISE_FACTOR, DTYPE_ULP_ALLOWANCE,
+                                     REFERENCE_ULP_ALLOWANCE, analyzed_format, dtype_noise_bound)
+from peat_jax.analyzer.signature import BLOCK_SIZES, DEFAULT_SAMPLE_SIZE, Signature
+from peat_jax.errors import PeatError
+
+__all__ = ["analyze"]
+
+
+def analyze(candidate, golden, reference64=None, *, reduction_length: Optional[int] = None,
+            noise_factor: float = DEFAULT_NOISE_FACTOR, ulp_allowance: Optional[float] = None,
+            comparison: str = "golden", sample_size: int = DEFAULT_SAMPLE_SIZE) -> Signature:
+    """Statistics of `candidate` against `golden` (arrays or pytrees of the same structure).
+
+    Args:
+      candidate: the output of the kernel under test (array or pytree of arrays).
+      golden: the reference output, same structure, shapes and dtypes.
+      reference64: optional float64 evaluation of the same op (same structure): sets the noise
+        floor from the golden's own error (see `NoiseFloor`). Computed under
+        `jax.enable_x64`; floats of any dtype are accepted and cast to float64.
+      reduction_length: K of the dtype bound when there is no float64 reference (the op's
+        reduction length; 1 for elementwise ops). Default: `DEFAULT_REDUCTION_LENGTH`.
+      noise_factor: F (default 4).
+      ulp_allowance: a, in ULPs of the golden's dtype (default: `REFERENCE_ULP_ALLOWANCE` = 2
+        with a float64 reference, `DTYPE_ULP_ALLOWANCE` otherwise).
+      comparison: "golden", or "repeat" when `golden` is an earlier run of the same candidate
+        (the runs are compared directly, with the dtype bound as the floor).
+      sample_size: elements the distribution statistics use per leaf (larger leaves are sampled).
+
+    Returns:
+      A `Signature` (for a pytree: the worst leaf's, with every leaf's in ``.leaves``).
+
+    Raises:
+      PeatError: mismatched structures, shapes or dtypes, or an unsupported dtype.
+    """
+    _check_options(reference64, noise_factor, comparison, sample_size)
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(candidate)
+    g_leaves, g_def = jax.tree_util.tree_flatten(golden)
+    if g_def != treedef:
+        raise PeatError(f"candidate and golden have different structures: {treedef} vs {g_def}")
+    r_leaves = [None] * len(g_leaves)
+    if reference64 is not None:
+        r_leaves, r_def = jax.tree_util.tree_flatten(reference64)
+        if r_def != treedef:
+            raise PeatError(f"reference64 has a different structure from golden: {r_def} vs "
+                            f"{g_def}")
+    if not g_leaves:
+        raise PeatError("analyze needs at least one array")
+    sigs = [_analyze_leaf(jax.tree_util.keystr(kp), c, g, r, reduction_length, noise_factor,
+                          ulp_allowance, comparison, sample_size)
+            for (kp, c), g, r in zip(path_leaves, g_leaves, r_leaves)]
+    if len(sigs) == 1 and not path_leaves[0][0]:
+        return sigs[0]
+    worst = max(sigs, key=_severity)
+    return dataclasses.replace(worst, leaves=tuple(sigs))
+
+
+def _check_options(reference64, noise_factor, comparison, sample_size) -> None:
+    if comparison not in ("golden", "repeat"):
+        raise PeatError(f"comparison must be 'golden' or 'repeat', got {comparison!r}")
+    if comparison == "repeat" and reference64 is not None:
+        raise PeatError("comparison='repeat' compares two runs of the candidate directly, with "
+                        "the dtype bound as the floor; pass reference64=None")
+    if sample_size < 16:
+        raise PeatError(f"sample_size must be >= 16, got {sample_size}")
+    if not (noise_factor > 0 and math.isfinite(noise_factor)):
+        raise PeatError(f"noise_factor must be a positive finite number, got {noise_factor}")
+
+
+def _severity(sig: Signature) -> tuple:
+    """Sort key of leaf signatures, worst last: new non-finite values, then the share of
+    significant errors, the largest floor ratio, the share of mismatched elements."""
+    n = max(sig.counts.elements, 1)
+    return (sig.counts.new_nonfinite > 0, sig.counts.significant / n,
+            sig.errors.max_floor_ratio if math.isfinite(sig.errors.max_floor_ratio) else 1e300,
+            sig.counts.mismatched / n)
+
+
+def _home(*xs):
+    """The device the statistics run on: that of the first single-device jax array among `xs`,
+    else the default device. Every operand is committed to it, so the jitted statistics compile
+    once per (shape, dtype, device): a committed and an uncommitted array of the same shape
+    would otherwise be two cache entries, i.e. two ~1.5 s compilations."""
+    for x in xs:
+        if isinstance(x, jax.Array):
+            devs = x.sharding.device_set
+            if len(devs) == 1:
+                return next(iter(devs))
+    return jax.devices()[0]
+
+
+def _check_leaf(where: str, c, g, r) -> None:
+    c_shape, g_shape = tuple(np.shape(c)), tuple(np.shape(g))
+    if c_shape != g_shape:
+        raise PeatError(f"candidate{where} has shape {c_shape}, golden has {g_shape}")
+    c_dt, g_dt = jnp.result_type(c), jnp.result_type(g)
+    if c_dt != g_dt:
+        raise PeatError(f"candidate{where} has dtype {jnp.dtype(c_dt).name}, golden has "
+                        f"{jnp.dtype(g_dt).name}")
+    if not jnp.issubdtype(g_dt, jnp.floating):
+        return
+    analyzed_format(g_dt)
+    if math.prod(g_shape) == 0:
+        raise PeatError(f"leaf{where} is empty: nothing to analyze")
+    if r is not None and tuple(np.shape(r)) != g_shape:
+        raise PeatError(f"reference64{where} has shape {tuple(np.shape(r))}, golden has "
+                        f"{g_shape}")
+
+
+def _nonfloat_leaf(path: str, c, g, comparison: str) -> Signature:
+    n_mis, first = (int(v) for v in nonfloat_stats(jnp.asarray(c), jnp.asarray(g)))
+    mismatch = None
+    if n_mis:
+        index = tuple(int(v) for v in np.unravel_index(first, np.shape(c))) if np.ndim(c) else ()
+        mismatch = (float(np.asarray(c).reshape(-1)[first]),
+                    float(np.asarray(g).reshape(-1)[first]), index)
+    return nonfloat_signature(path, tuple(np.shape(c)), str(jnp.result_type(c)), comparison,
+                              n_mis, mismatch)
+
+
+def _analyze_leaf(path, c, g, r, reduction_length, noise_factor, ulp_allowance, comparison,
+                  sample_size) -> Signature:
+    _check_leaf(f" at {path}" if path else "", c, g, r)
+    g_dt = jnp.result_type(g)
+    if not jnp.issubdtype(g_dt, jnp.floating):
+        return _nonfloat_leaf(path, c, g, comparison)
+    if ulp_allowance is None:
+        name = analyzed_format(g_dt).name
+        ulp_allowance = DTYPE_ULP_ALLOWANCE[name] if r is None else REFERENCE_ULP_ALLOWANCE
+    _, coef = dtype_noise_bound(g_dt, reduction_length, noise_factor)
+    options = Options(noise_factor=float(noise_factor), ulp_allowance=float(ulp_allowance),
+                      bound_coef=float(coef), sample_size=int(sample_size), blocks=BLOCK_SIZES)
+    device = _home(c, g)
+    c, g = jax.device_put(c, device), jax.device_put(g, device)
+    if r is None:
+        stats = jax.device_get(leaf_stats(c, g, None, options))
+    else:
+        with jax.enable_x64(True):
+            r64 = jax.device_put(jnp.asarray(r, jnp.float64), device)
+            stats = jax.device_get(leaf_stats(c, g, r64, options))
+    return build_signature(path, tuple(np.shape(g)), g_dt, comparison, stats, options,
+                           reduction_length)

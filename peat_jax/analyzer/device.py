@@ -1,0 +1,109 @@
+"""Device side: the jitted statistics of one leaf (`leaf_stats`), compiled once per shapes,
+dtypes, device and `Options`.
+
+Stages, in order: the leaf-wide scales of the floor (`elements.leaf_scales`); exact whole-leaf
+counts and maxima (`whole_leaf`); distributions over the sample (`sample.sample_stats`); and,
+only when significant errors exist, the worst elements, the mask's structure and the permutation
+checks (`structure`). What comes back is a `contract.LeafStats`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from peat_jax.analyzer.bits import Operand
+from peat_jax.analyzer.contract import LeafScales, LeafStats, Options, WholeLeaf, view2d
+from peat_jax.analyzer.elements import (Scales, elements, i32, leaf_scales, local_scale_2d,
+                                        sample_index, vreduce)
+from peat_jax.analyzer.noise import NOISE_FREE_SHARE, analyzed_format
+from peat_jax.analyzer.sample import sample_stats
+from peat_jax.analyzer.structure import permutation, structure
+from peat_jax.formats import FloatFormat
+
+__all__ = ["leaf_stats", "nonfloat_stats", "whole_leaf"]
+
+
+def _rare_counts(c, g, r, s: Scales, options: Options, f: FloatFormat, eloc):
+    """(nonfinite c, nonfinite g, new nonfinite, lost nonfinite, flushed, significant flushed,
+    golden flushed, subnormal g) counts, in one reduction."""
+    e = elements(c, g, r, s, options, f, eloc)
+    dc, dg = e.dc, e.dg
+    return vreduce(
+        [i32(dc.nonfinite), i32(dg.nonfinite), i32(dc.nonfinite & ~dg.nonfinite),
+         i32(dg.nonfinite & ~dc.nonfinite), i32(e.flushed), i32(e.significant & e.flushed),
+         i32(e.mismatched & dg.zero & dc.subnormal), i32(dg.subnormal)], ["sum"] * 8, (0, 1))
+
+
+def whole_leaf(c, g, r, s: Scales, options: Options, f: FloatFormat) -> WholeLeaf:
+    """Exact whole-leaf counts and maxima of `Operand`s `c`, `g` (and the float64 reference `r`
+    or None).
+
+    One variadic reduction computes the common counts and maxima; the rare ones (non-finite,
+    subnormal and flush counts) are counted in a second pass only when the first saw any.
+    """
+    R, C, _, _ = view2d(c.shape)
+    c, g = c.reshape(R, C), g.reshape(R, C)
+    r = None if r is None else r.reshape(R, C)
+    eloc = local_scale_2d(s, R, C)
+    el = elements(c, g, r, s, options, f, eloc)
+    dc, dg = el.dc, el.dg
+    rare = dc.nonfinite | dg.nonfinite | dc.subnormal | dg.subnormal
+    zero_f = jnp.zeros((), el.err_cg.dtype)
+    n_mis, n_sig, n_rare, max_abs, max_ratio, max_ulp = vreduce(
+        [i32(el.mismatched), i32(el.significant), i32(rare),
+         jnp.where(el.finite, el.err_cg, zero_f),
+         jnp.where(el.finite, el.ratio, 0).astype(el.err_cg.dtype),
+         jnp.where(dc.nan | dg.nan, 0, el.ulp_dist).astype(f.wide_uint)],
+        ["sum", "sum", "sum", "max", "max", "max"], (0, 1))
+
+    def none(_):
+        return tuple(jnp.zeros((), jnp.int32) for _ in range(8))
+
+    nf_c, nf_g, new_nf, lost_nf, ftz, sig_ftz, gold_fl, sub_g = lax.cond(
+        n_rare > 0, lambda _: _rare_counts(c, g, r, s, options, f, eloc), none, None)
+    return WholeLeaf(
+        mismatched=n_mis, significant=n_sig, nonfinite_candidate=nf_c, nonfinite_golden=nf_g,
+        new_nonfinite=new_nf, lost_nonfinite=lost_nf, flushed=ftz,
+        significant_not_flushed=n_sig - sig_ftz, golden_flushed=gold_fl,
+        subnormal_golden=sub_g, max_abs=max_abs, max_floor_ratio=max_ratio, max_ulp=max_ulp)
+
+
+def _relative_tolerance(s: Scales, r, options: Options, f: FloatFormat):
+    """Relative tolerance of ratio tests: twice the typical floor at |g| = rms, relative (at
+    least 4 eps), float32."""
+    typical = s.abs_floor if r is None else options.noise_factor * jnp.median(s.E_row)
+    rel_floor = options.ulp_allowance * f.eps + typical / jnp.maximum(s.rms, 1e-30)
+    return jnp.maximum(2.0 * rel_floor, 4.0 * f.eps).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("options",))
+def leaf_stats(c, g, r, options: Options) -> LeafStats:
+    """The statistics of candidate `c` against golden `g` (same shape and float dtype), with the
+    float64 reference `r` or None.
+
+    Returns:
+      A `LeafStats` of device scalars and small vectors (see `contract`).
+    """
+    f = analyzed_format(g.dtype)
+    c, g = Operand(c, None, f), Operand(g, None, f)
+    idx = sample_index(c.size, options.sample_size)
+    s = leaf_scales(c, g, r, idx, options, f)
+    whole = whole_leaf(c, g, r, s, options, f)
+    rel_tol = _relative_tolerance(s, r, options, f)
+    noise_free = (whole.mismatched - whole.significant) <= NOISE_FREE_SHARE * c.size
+    worst, struct = structure(c, g, r, s, options, f, whole.significant, rel_tol)
+    return LeafStats(
+        whole=whole, sample=sample_stats(c, g, r, idx, s, options, f, noise_free), worst=worst,
+        structure=struct, permutation=permutation(c, g, r, s, options, f, whole.significant),
+        scales=LeafScales(rms=s.rms, abs_floor=s.abs_floor, rel_tol=rel_tol,
+                          golden_max_abs_error=s.E, golden_max_ulp_error=s.U))
+
+
+@jax.jit
+def nonfloat_stats(c, g):
+    """(mismatched count, flat index of the first mismatch or 0) of integer / bool leaves."""
+    mis = c != g
+    return jnp.sum(i32(mis)), jnp.argmax(mis.reshape(-1)) if c.size else jnp.asarray(0)

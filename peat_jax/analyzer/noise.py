@@ -1,0 +1,168 @@
+"""The noise floor: how far a candidate may be from the truth and still count as rounding noise.
+
+`dtype_noise_bound` states the floor used without a float64 reference; `NoiseFloor` records the
+floor a `Signature` was judged against. The per-element floor itself is computed on device
+(`peat_jax.analyzer.elements`); this module holds its constants and its documented formulas.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Optional
+
+from peat_jax.errors import PeatError
+from peat_jax.formats import FloatFormat, float_format
+
+__all__ = [
+    "DEFAULT_NOISE_FACTOR",
+    "DEFAULT_REDUCTION_LENGTH",
+    "DISTRIBUTION_ALLOWANCE",
+    "DISTRIBUTION_MIN_ELEMENTS",
+    "DTYPE_ULP_ALLOWANCE",
+    "FLOAT_DTYPES",
+    "NOISE_FREE_SHARE",
+    "NoiseFloor",
+    "REFERENCE_ULP_ALLOWANCE",
+    "analyzed_format",
+    "distribution_ok",
+    "dtype_noise_bound",
+]
+
+FLOAT_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64")
+"""The float dtypes `analyze` supports (those with a documented noise bound)."""
+
+DEFAULT_NOISE_FACTOR = 4.0
+"""The stated factor F: a candidate is numerical noise when its error is at most F times the
+golden's own error scale (plus the ULP allowance)."""
+
+DEFAULT_REDUCTION_LENGTH = 1024
+"""Reduction length K assumed by the dtype bound when none is given (no float64 reference)."""
+
+DTYPE_ULP_ALLOWANCE: Mapping[str, float] = {
+    "float64": 4.0, "float32": 4.0, "float16": 1.0, "bfloat16": 1.0,
+}
+"""ULP allowance of the dtype bound (no float64 reference), in ULPs of the golden's dtype.
+
+Two correct kernels may round their last operation in opposite directions and use transcendental
+approximations a few ULPs apart: 4 ULPs for 32/64-bit outputs. 16-bit outputs are in practice
+computed in float32 and rounded once, so two correct results differ by at most 1 ULP."""
+
+REFERENCE_ULP_ALLOWANCE = 2.0
+"""ULP allowance with a float64 reference: a correctly rounded result is within 0.5 ULP of the
+truth and a faithful one within 1; a long reduction dominated by one large term may add another
+ULP where the golden happens to be exact, hence 2."""
+
+DISTRIBUTION_ALLOWANCE = 0.5
+"""The distribution test (float64 reference only): the candidate's median ULP error may be at
+most ``F / 2`` (2 at the default F = 4) times the golden's, and its 90th-percentile ULP error
+at most F times the golden's, each plus this many ULPs."""
+
+DISTRIBUTION_MIN_ELEMENTS = 32
+"""The distribution test needs at least this many finite elements; smaller leaves rely on the
+per-element floor alone."""
+
+NOISE_FREE_SHARE = 0.01
+"""A leaf whose elements differ within the noise floor in at most this share is taken as noise
+free: the differing bits of its significant elements all belong to the fault."""
+
+_ACCUMULATOR_MANTISSA_BITS = 23
+"""Kernels accumulate in float32 at least (16-bit kernels included)."""
+
+
+def analyzed_format(dtype) -> FloatFormat:
+    """The `FloatFormat` of a dtype `analyze` supports.
+
+    Raises:
+      PeatError: any other dtype.
+    """
+    f = float_format(dtype)
+    if f.name not in FLOAT_DTYPES:
+        raise PeatError(f"analyze supports {', '.join(FLOAT_DTYPES)} (and integer/bool leaves); "
+                        f"got {f.name}")
+    return f
+
+
+def dtype_noise_bound(dtype, reduction_length: Optional[int] = None,
+                      noise_factor: float = DEFAULT_NOISE_FACTOR) -> tuple[float, float]:
+    """The documented per-dtype noise bound used when no float64 reference exists.
+
+    An element is within noise when ``|c - g| <= a * ulp(g) + F * eps_acc * sqrt(K) * rms(g)``:
+
+    * ``a``: `DTYPE_ULP_ALLOWANCE` for the dtype (ULPs of the golden's dtype at ``g``);
+    * ``F``: `noise_factor`;
+    * ``eps_acc``: machine epsilon (``2**-nmant``) of the accumulation format, the wider of the
+      dtype and float32 (16-bit kernels accumulate in float32);
+    * ``K``: the reduction length (`DEFAULT_REDUCTION_LENGTH` when unknown): the error of a
+      K-term float sum grows like ``eps * sqrt(K)`` times the output's magnitude;
+    * ``rms(g)``: root mean square of the finite golden values (over the sample).
+
+    Returns:
+      ``(a, F * eps_acc * sqrt(K))``: the ULP allowance (ULPs) and the relative-to-rms
+      coefficient (dimensionless).
+    """
+    f = analyzed_format(dtype)
+    k = DEFAULT_REDUCTION_LENGTH if reduction_length is None else int(reduction_length)
+    if k < 1:
+        raise PeatError(f"reduction_length must be >= 1, got {reduction_length}")
+    eps_acc = 2.0 ** -max(f.mantissa_bits, _ACCUMULATOR_MANTISSA_BITS)
+    return DTYPE_ULP_ALLOWANCE[f.name], noise_factor * eps_acc * math.sqrt(k)
+
+
+def distribution_ok(candidate_ulp: Mapping[str, float], golden_ulp: Mapping[str, float],
+                    noise_factor: float) -> bool:
+    """The distribution test on ULP-error quantiles (``{"p50": ..., "p90": ...}``, ULPs):
+    ``p50(u_c) <= F/2 * p50(u_g) + 0.5`` and ``p90(u_c) <= F * p90(u_g) + 0.5``."""
+    return (candidate_ulp["p50"] <= noise_factor / 2 * golden_ulp["p50"] + DISTRIBUTION_ALLOWANCE
+            and candidate_ulp["p90"] <= noise_factor * golden_ulp["p90"] + DISTRIBUTION_ALLOWANCE)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseFloor:
+    """How the per-element noise floor was set, and the golden's own error.
+
+    With a float64 reference ``r`` (``kind="float64"``): the golden's absolute error is
+    ``e_g = |g - r|`` (output units) and its ULP error ``u_g = e_g / ulp(r)`` (ULPs of the
+    golden's dtype at ``r``). The candidate's error is ``e_c = |c - r|`` and the floor at element
+    i is ``F * max(E_loc(i), U90 * ulp(r_i)) + a * ulp(r_i)``, where ``U90`` is the 90th
+    percentile of the golden's ULP error and ``E_loc(i)`` is the golden's worst absolute error
+    in i's row or in i's column of the 2-D view, whichever is smaller (rows: the leading axes
+    flattened; only the row maximum when columns are shorter than 32, only the column maximum
+    when rows are, the leaf's maximum when both are). The rounding error of a reduction scales
+    with the magnitude of its summands, not of its result, and rows and columns carry that
+    magnitude (an outlier input row inflates one output row only); an element with heavy
+    cancellation is judged in absolute terms like its neighbours, and an element much larger
+    than its neighbours in relative terms (the golden's typical ULP error). A candidate is
+    numerical noise when no element exceeds the floor and its ULP-error distribution is no
+    worse than the golden's (``distribution_ok``), which catches dense mild degradation (e.g.
+    a bfloat16 accumulator) that no single element shows.
+
+    Without one (``kind="dtype_bound"``): the floor on ``|c - g|`` is `dtype_noise_bound`.
+
+    Attributes:
+      kind: "float64" or "dtype_bound".
+      factor: F (dimensionless).
+      ulp_allowance: a, in ULPs of the golden's dtype.
+      abs_floor: the largest absolute part of the floor, output units (``F * max E_loc`` or
+        ``F * eps_acc * sqrt(K) * rms(g)``).
+      reduction_length: K used by the dtype bound (None with a float64 reference).
+      golden_max_abs_error: E (output units), None without a reference.
+      golden_max_ulp_error: U (ULPs), None without a reference.
+      golden_ulp_quantiles / candidate_ulp_quantiles: {q: ULPs} of ``u_g`` and ``u_c`` (sample),
+        empty without a reference.
+      distribution_ok: True when ``p50(u_c) <= F/2 * p50(u_g) + 0.5`` and ``p90(u_c) <= F *
+        p90(u_g) + 0.5`` (`DISTRIBUTION_ALLOWANCE`); None without a reference or with fewer
+        than `DISTRIBUTION_MIN_ELEMENTS` finite elements.
+      rms_golden: root mean square of the finite golden values (sample), output units.
+    """
+
+    kind: str
+    factor: float
+    ulp_allowance: float
+    abs_floor: float
+    reduction_length: Optional[int]
+    golden_max_abs_error: Optional[float]
+    golden_max_ulp_error: Optional[float]
+    golden_ulp_quantiles: Mapping[str, float]
+    candidate_ulp_quantiles: Mapping[str, float]
+    distribution_ok: Optional[bool]
+    rms_golden: float

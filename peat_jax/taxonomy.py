@@ -1,0 +1,168 @@
+"""The taxonomy: every error-model name and training-outcome name, stated once.
+
+`ERROR_MODELS` is the table the detector names its diagnoses from, the faults name what they
+emulate from, and the report colours its cells from: one `ErrorModel` per name, with whether it
+passes, how severe it is and its colour. `TRAINING_OUTCOMES` does the same for what a runtime
+injection did to training. The order of each table is the order of the taxonomy in docs/design.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Optional
+
+__all__ = [
+    "ALLOWED_COLOUR",
+    "ERROR_MODELS",
+    "ErrorModel",
+    "MODELS",
+    "MODEL_BY_NAME",
+    "OUTCOMES",
+    "PASSING",
+    "TRAINING_OUTCOMES",
+    "TrainingOutcome",
+    "colour",
+    "fault_constructor",
+    "severity_rank",
+]
+
+_GREEN, _LIGHT_GREEN, _AMBER, _RED = "#2e7d32", "#66bb6a", "#f9a825", "#c62828"
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorModel:
+    """One error model of the taxonomy.
+
+    Attributes:
+      name: the name `peat.detect` returns (``Diagnosis.model``).
+      kind: "passing" (a diagnosis of this model passes without being allowed), "numerical" (a
+        precision difference, failing unless allowed), "fault" (what a hardware fault does) or
+        "bug" (what a kernel bug does).
+      severity: sort rank of diagnoses (higher is worse): precision models milder than faults
+        and bugs, ``nan_inf`` the worst.
+      colour: the report's colour (CSS) of a diagnosis of this model: passing for a passing
+        model, failing for the others (an allowed one is `ALLOWED_COLOUR`).
+      fault: the `peat_jax.faults` constructor that emulates the model, None if none does.
+      description: one line.
+    """
+
+    name: str
+    kind: str
+    severity: int
+    colour: str
+    fault: Optional[str]
+    description: str
+
+    @property
+    def passes(self) -> bool:
+        """A diagnosis of this model passes without being allowed."""
+        return self.kind == "passing"
+
+
+ERROR_MODELS: tuple[ErrorModel, ...] = (
+    ErrorModel(name="exact", kind="passing", severity=0, colour=_GREEN,
+               fault=None, description="bitwise equal to the golden"),
+    ErrorModel(name="numerical_noise", kind="passing", severity=1, colour=_LIGHT_GREEN,
+               fault=None, description="rounding differences within the noise floor"),
+    ErrorModel(name="reduced_precision", kind="numerical", severity=5, colour=_AMBER,
+               fault="truncate",
+               description="inputs, products or the output rounded to a narrower format"),
+    ErrorModel(name="low_precision_accumulation", kind="numerical", severity=5, colour=_AMBER,
+               fault="low_precision_accumulation",
+               description="an accumulator kept in a narrow format"),
+    ErrorModel(name="flush_to_zero", kind="numerical", severity=4, colour=_AMBER,
+               fault=None, description="differences only at subnormals, flushed to zero"),
+    ErrorModel(name="bit_flip", kind="fault", severity=8, colour=_RED,
+               fault="bit_flip", description="isolated elements with one differing bit"),
+    ErrorModel(name="multi_bit_flip", kind="fault", severity=8, colour=_RED,
+               fault="multi_bit_flip", description="isolated elements with a few differing bits"),
+    ErrorModel(name="random_value", kind="fault", severity=8, colour=_RED,
+               fault="random_value", description="isolated elements replaced by other values"),
+    ErrorModel(name="zeroed", kind="fault", severity=8, colour=_RED,
+               fault="zero", description="elements set to zero"),
+    ErrorModel(name="operand_corruption", kind="fault", severity=8, colour=_RED,
+               fault="operand_corruption",
+               description="whole rows or columns wrong: a bad input row or weight column"),
+    ErrorModel(name="wrong_scale", kind="bug", severity=8, colour=_RED,
+               fault="scale", description="the golden times a constant"),
+    ErrorModel(name="sign_flip", kind="bug", severity=8, colour=_RED,
+               fault="sign_flip", description="the golden negated"),
+    ErrorModel(name="permuted_layout", kind="bug", severity=8, colour=_RED,
+               fault="permute", description="the right values in the wrong places"),
+    ErrorModel(name="tile_boundary", kind="bug", severity=8, colour=_RED,
+               fault="tile_boundary",
+               description="errors aligned to block edges or the last (partial) block"),
+    ErrorModel(name="nan_inf", kind="bug", severity=9, colour=_RED,
+               fault="nan_inf", description="non-finite values where the golden is finite"),
+    ErrorModel(name="nondeterministic", kind="bug", severity=7, colour=_AMBER,
+               fault=None, description="run-to-run differences beyond the noise floor"),
+    ErrorModel(name="unknown", kind="bug", severity=8, colour=_RED,
+               fault=None, description="fails, and no model fits"),
+)
+"""Every error model, in the taxonomy's order."""
+
+MODEL_BY_NAME: Mapping[str, ErrorModel] = {m.name: m for m in ERROR_MODELS}
+
+MODELS: tuple[str, ...] = tuple(m.name for m in ERROR_MODELS)
+"""Every model name `peat.detect` can return."""
+
+PASSING: frozenset = frozenset(m.name for m in ERROR_MODELS if m.passes)
+"""The models that pass without being allowed."""
+
+ALLOWED_COLOUR = _LIGHT_GREEN
+"""The report's colour of a failing model the caller allowed (the diagnosis passes)."""
+
+
+def severity_rank(name: str) -> int:
+    """The severity of model `name` (a name outside the taxonomy ranks as ``unknown``)."""
+    return MODEL_BY_NAME.get(name, MODEL_BY_NAME["unknown"]).severity
+
+
+def colour(name: str, passed: bool) -> str:
+    """The report's colour of a diagnosis of model `name` with verdict `passed` (CSS colour):
+    a passing model's own green, `ALLOWED_COLOUR` for an allowed failing model, a failing
+    model's own colour (red for a name outside the taxonomy)."""
+    model = MODEL_BY_NAME.get(name)
+    if passed:
+        return model.colour if model is not None and model.passes else ALLOWED_COLOUR
+    return model.colour if model is not None and not model.passes else _RED
+
+
+def fault_constructor(name: str) -> Optional[str]:
+    """The `peat_jax.faults` constructor that emulates model `name`, None if none does."""
+    model = MODEL_BY_NAME.get(name)
+    return None if model is None else model.fault
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingOutcome:
+    """What a runtime injection did to training (``RuntimeResult.outcome``).
+
+    Attributes:
+      name: the outcome's name.
+      harmless: training went on as in the golden run.
+      description: one line (the rules are in `peat_jax.profiler.runtime.classify_outcome`).
+    """
+
+    name: str
+    harmless: bool
+    description: str
+
+
+TRAINING_OUTCOMES: tuple[TrainingOutcome, ...] = (
+    TrainingOutcome(name="masked", harmless=True,
+                    description="the loss stays within the golden run's noise band"),
+    TrainingOutcome(name="immediate_nan_inf", harmless=False,
+                    description="the loss turns non-finite at the first fired step or the next"),
+    TrainingOutcome(name="spike_and_recover", harmless=False,
+                    description="the loss leaves the band, then its tail comes back into it"),
+    TrainingOutcome(name="slow_degrade", harmless=False,
+                    description="the loss drifts out of the band and stays out"),
+    TrainingOutcome(name="sharp_degrade", harmless=False,
+                    description="the loss steps out of the band and stays out"),
+    TrainingOutcome(name="diverged", harmless=False,
+                    description="the loss turns non-finite later, or training is lost"),
+)
+"""Every training outcome, in the taxonomy's order."""
+
+OUTCOMES: tuple[str, ...] = tuple(o.name for o in TRAINING_OUTCOMES)
+"""Every outcome name `peat.runtime` can return."""

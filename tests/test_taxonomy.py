@@ -1,0 +1,26 @@
+"""The taxonomy table: every error-model and outcome name once, used by detector, faults, report."""
+from __future__ import annotations
+
+import peat_jax as peat
+from peat_jax import faults, taxonomy
+from peat_jax.detector import MODELS, PASSING, RULES
+
+
+def test_detector_and_profiler_names_come_from_the_table():
+    assert MODELS == taxonomy.MODELS and PASSING == taxonomy.PASSING
+    assert {r.model for r in RULES} == set(taxonomy.MODELS)
+    assert peat.profiler.OUTCOMES == taxonomy.OUTCOMES
+    assert [o.name for o in taxonomy.TRAINING_OUTCOMES if o.harmless] == ["masked"]
+
+
+def test_each_model_names_a_real_fault_and_a_colour():
+    for model in taxonomy.ERROR_MODELS:
+        assert model.kind in ("passing", "numerical", "fault", "bug"), model
+        if model.fault is not None:
+            assert model.fault in faults.ALL, model
+        assert model.colour.startswith("#")
+    assert taxonomy.colour("exact", True) != taxonomy.colour("bit_flip", False)
+    assert taxonomy.colour("reduced_precision", True) == taxonomy.ALLOWED_COLOUR
+    assert taxonomy.severity_rank("nan_inf") > taxonomy.severity_rank("bit_flip")
+    assert taxonomy.severity_rank("not_a_model") == taxonomy.severity_rank("unknown")
+    assert faults.describe(faults.zero(0.5)) == "zero(fraction=0.5)"
