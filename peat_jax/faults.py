@@ -369,6 +369,10 @@ def _make(name: str, params: dict, core: Callable,
             if problem.fatal:
                 raise PeatError(f"{_describe_params(name, params)}: {problem.reason}")
             return out
+        # The fault transforms the reference's output as computed: without the barrier XLA may
+        # fold the transform into the op (a transpose of a dot becomes a dot of transposed
+        # operands, seen on jax 0.11+), which rounds differently than the op plus the fault.
+        out = lax.optimization_barrier(out)
         result = core(out, reference, operands, _as_key(key, seed), site)
         return jnp.reshape(result, out.shape).astype(out.dtype)
 
