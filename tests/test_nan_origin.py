@@ -93,6 +93,7 @@ def test_bit_flip_at_a_known_site_is_named_as_the_nan_origin(mlp, golden, phase)
     assert not np.isfinite(r.losses[STEP + (phase == "bwd")])
     stored = json.loads((golden / "campaigns" / f"flip{site}" / "runtime.json").read_text())
     assert NanOrigin.from_dict(stored["nan_origin"]) == o
+    assert f"NaN born at step {STEP}, site #{site} {phase}" in peat.report.render_report(golden)
 
 
 def test_no_nan_no_origin(mlp, golden):

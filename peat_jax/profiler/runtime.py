@@ -183,7 +183,8 @@ class RuntimeStore:
         return ocp.CheckpointManager(
             (self.path / STATES).absolute(),
             options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True,
-                                                 enable_async_checkpointing=False))
+                                                 enable_async_checkpointing=False,
+                                                 cleanup_tmp_directories=True))
 
     def progress(self) -> Optional[Progress]:
         """The progress of an interrupted run with this spec, or None if there is none. Another
