@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 from jax import lax
@@ -67,6 +67,17 @@ class Op:
     containers: tuple[str, ...]  # primitives of the enclosing containers, outermost first
     region: Optional[Region]     # (name, is_bwd, region id) for a region call
     repeats: int = 1             # executions per call: product of enclosing scan lengths
+    loops: tuple["Loop", ...] = ()  # the enclosing scans, outermost first (set by Program.ops)
+
+
+class Loop(NamedTuple):
+    """An enclosing `scan` of a site: where its body's sites start, and how it iterates.
+    Sides stacked by that scan are in `xs` order: iteration i runs `i`-th, or
+    `length - 1 - i`-th when `reverse`."""
+
+    base: int      # the index of the first site in the scan's body
+    length: int
+    reverse: bool
 
 
 def clean_path(name_stack: str) -> str:
@@ -134,9 +145,9 @@ class Program:
 
     def ops(self) -> Iterator[Op]:
         """Every site, in index order."""
-        yield from self._walk(self.closed_jaxpr.jaxpr, 0, "", (), 1)
+        yield from self._walk(self.closed_jaxpr.jaxpr, 0, "", (), 1, ())
 
-    def _walk(self, jaxpr, base, stack, containers, repeats) -> Iterator[Op]:
+    def _walk(self, jaxpr, base, stack, containers, repeats, loops) -> Iterator[Op]:
         jaxpr = _open(jaxpr)
         plan = self.plan(jaxpr)
         for i, eqn in enumerate(jaxpr.eqns):
@@ -144,15 +155,19 @@ class Program:
             eqn_stack = _join(stack, _jax.name_stack(eqn))
             reg = region_of(eqn)
             if plan.is_site[i]:
-                yield Op(idx, eqn, eqn_stack, containers, reg, repeats)
+                yield Op(idx, eqn, eqn_stack, containers, reg, repeats, loops)
                 idx += 1
             inner_repeats = repeats * _jax.scan_length(eqn)
+            inner_loops = loops
+            if eqn.primitive.name == "scan":
+                sc = _jax.scan_layout(eqn)
+                inner_loops = loops + (Loop(idx, sc.length, sc.reverse),)
             inner_stack = _join(eqn_stack, reg[0]) if reg else eqn_stack
             if reg and reg[1]:
                 inner_stack = _join(eqn_stack, f"transpose({reg[0]})")
             for _, sub in sub_jaxprs(eqn):
                 yield from self._walk(sub, idx, inner_stack, containers + (eqn.primitive.name,),
-                                      inner_repeats)
+                                      inner_repeats, inner_loops)
                 idx += self.plan(sub).total
 
 

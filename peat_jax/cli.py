@@ -347,10 +347,17 @@ def cmd_runtime(args) -> int:
     if args.json:
         print(json.dumps(r.to_dict()))
     else:
+        resumed = f"resumed from step {r.resumed_from}; " if r.resumed_from is not None else ""
         _say(args, f"runtime injection of {cand.name} {r.schedule}: outcome [bold]{r.outcome}[/] "
-                   f"(fired at {len(r.fired_steps)} of {steps} steps; final loss {r.losses[-1]:.4f} "
-                   f"vs golden {r.golden_losses[-1]:.4f})")
+                   f"({resumed}fired at {len(r.fired_steps)} of {steps} steps; final loss "
+                   f"{r.losses[-1]:.4f} vs golden {r.golden_losses[-1]:.4f})")
+        _say_nan_origin(args, r)
     return 0 if r.outcome == "masked" else 1
+
+
+def _say_nan_origin(args, r) -> None:
+    if r.nan_origin is not None:
+        _say(args, f"[red]NaN born at {r.nan_origin}[/]")
 
 
 def _shapes(text: str) -> list[tuple[int, ...]]:
@@ -446,7 +453,8 @@ def cmd_demo(args) -> int:
                           peat.every(10, offset=5), steps=g.steps, name="runtime-bit30",
                           progress=p.task("runtime injection"))
     summary["runtime"] = {"schedule": rt.schedule, "outcome": rt.outcome,
-                          "fired_steps": list(rt.fired_steps)}
+                          "fired_steps": list(rt.fired_steps),
+                          "nan_origin": rt.to_dict()["nan_origin"]}
     report = peat.report.write_report(out)
     summary["report"] = str(report)
     summary["seconds"] = round(time.perf_counter() - t0, 1)
@@ -460,6 +468,7 @@ def cmd_demo(args) -> int:
              (f"first divergence at step {fd['checkpoint']}, site #{fd['site']} {fd['phase']} "
               f"@ {fd['path']}" if fd else "no divergence") + f"; {s['compiles']} compile(s)")
     _say(args, f"runtime injection bit_flip(bit=30) {rt.schedule}: outcome [bold]{rt.outcome}[/]")
+    _say_nan_origin(args, rt)
     _say(args, f"report: {report}   ({summary['seconds']} s)")
     return 0
 

@@ -17,9 +17,9 @@ import numpy as np
 from peat_jax.errors import PeatError
 from peat_jax.faults import Fault
 from peat_jax.sites import Site
-from peat_jax.substitute import Substitution, Substituted
+from peat_jax.substitute import Substitution, Substituted, fault_key
 
-__all__ = ["Schedule", "every", "at_steps", "with_probability", "inject"]
+__all__ = ["Schedule", "every", "at_steps", "with_probability", "inject", "step_fault_key"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -112,13 +112,8 @@ class _Injected(Substituted):
             raise PeatError(f"the step must be a scalar int, got shape {step.shape}")
         on = self.schedule(step)
 
-        def key_for(site: Site, cand: Fault):
-            base = jax.random.fold_in(jax.random.key(int(cand.params.get("seed", 0) or 0)),
-                                      site.index)
-            return jax.random.fold_in(base, step)
-
         def fire(state, batch):
-            return self.run((state, batch), {}, lambda site: None, key_for)
+            return self.run((state, batch), {}, lambda site: None, step_fault_key(step))
 
         def plain(state, batch):
             return self._fn(state, batch)
@@ -128,6 +123,15 @@ class _Injected(Substituted):
         # an accelerator pays one branch per step rather than one per site.
         want = jax.eval_shape(plain, state, batch)
         return lax.cond(on, _typed(fire, want), _typed(plain, want), state, batch)
+
+
+def step_fault_key(step) -> Callable[[Site, Fault], jax.Array]:
+    """`key_for(site, fault)` of an injected step: `fold_in(fault_key(site, fault), step)`, i.e.
+    `fold_in(fold_in(key(seed), site.index), step)` (`step` a Python or traced int)."""
+    def key_for(site: Site, cand: Fault) -> jax.Array:
+        return jax.random.fold_in(fault_key(site, cand), step)
+
+    return key_for
 
 
 def _typed(fn: Callable, want) -> Callable:

@@ -278,11 +278,19 @@ class Substituted:
         traced, chosen = self.prepare(args, kwargs)
         return [traced.sites[i] for i in chosen]
 
-    def run(self, args, kwargs, active: Active, key_for) -> Any:
+    def evaluate(self, args, kwargs, rules_for: Callable[[Traced, dict[int, Candidate]], dict],
+                 *, with_sides: bool = False):
+        """The wrapped function on `args, kwargs`, re-evaluated with the interpreter rules that
+        `rules_for(traced, chosen)` returns ({site index: rule}); its outputs, and with
+        `with_sides` also {site index: side} (see `run_rules`)."""
         traced, chosen = self.prepare(args, kwargs)
-        rules = make_rules(traced, chosen, active, key_for)
+        rules = rules_for(traced, chosen)
         with _regions.flax_regions(*self._tracer.regions):
-            return run_rules(traced, rules, args, kwargs)
+            return run_rules(traced, rules, args, kwargs, with_sides=with_sides)
+
+    def run(self, args, kwargs, active: Active, key_for) -> Any:
+        return self.evaluate(args, kwargs,
+                             lambda traced, chosen: make_rules(traced, chosen, active, key_for))
 
 
 class _Static(Substituted):

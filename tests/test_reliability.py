@@ -175,6 +175,48 @@ def test_killed_golden_run_resumes_from_the_last_complete_checkpoint_bitwise(gol
     assert bool((jax.random.key_data(a["rng"]) == jax.random.key_data(b["rng"])).all())
 
 
+@pytest.mark.slow
+def test_killed_runtime_run_resumes_from_its_last_chunk_with_the_same_result(golden, tmp_path):
+    _, run = golden
+    sub, schedule = _sub(), peat.every(2)
+    straight = runtime(run, sub, schedule, steps=STEPS, name="runtime-straight")
+    camp = run / "campaigns" / "runtime-killed"
+    # `peat runtime` as a script, its progress callback pacing the steps so that the kill lands
+    # after the first chunk (2 steps: the golden run's checkpoint interval) on any machine
+    script = textwrap.dedent(f"""
+        import sys, time
+        import peat_jax as peat
+        peat.runtime(sys.argv[1], {{{SELECTOR!r}: peat.faults.{FAULT}}}, peat.every(2),
+                     steps={STEPS}, name="runtime-killed",
+                     progress=lambda done, total: time.sleep(0.5))
+    """)
+    log = tmp_path / "stderr.txt"
+    proc = _start(script, run, log)
+    delay = random.Random(2024).uniform(0.0, 0.8)
+    _kill_when(proc, lambda: (camp / "runtime.partial.json").exists(), delay, log,
+               "the runtime run")
+    assert not (camp / "runtime.json").exists()
+    done = json.loads((camp / "runtime.partial.json").read_text())["progress"]["done"]
+    assert done in (2, 4)
+
+    with pytest.raises(peat.PeatError, match="unfinished runtime run with another schedule"):
+        runtime(run, sub, peat.every(3), steps=STEPS, name="runtime-killed")
+    with pytest.raises(peat.PeatError, match="unfinished runtime run with another steps"):
+        runtime(run, sub, schedule, steps=STEPS - 1, name="runtime-killed")
+
+    proc = subprocess.run([sys.executable, "-m", "peat_jax", "runtime", str(run), "--fault", FAULT,
+                           "--sites", SELECTOR, "--every", "2", "--name", "runtime-killed",
+                           "--json"], capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    resumed = json.loads(proc.stdout.splitlines()[-1])
+    assert resumed["resumed_from"] == done and straight.resumed_from is None
+    assert tuple(resumed["losses"]) == straight.losses  # bitwise: JSON keeps a float's repr
+    for key in ("outcome", "golden_losses", "schedule", "nan_origin"):
+        assert resumed[key] == json.loads(json.dumps(straight.to_dict()[key])), key
+    assert json.loads((camp / "runtime.json").read_text())["losses"] == resumed["losses"]
+    assert sorted(p.name for p in camp.iterdir()) == ["runtime.json"]  # progress removed
+
+
 # ------------------------------------------------------------------------------------------
 # 2. Damaged artifacts
 

@@ -9,7 +9,10 @@ Layout:
                                damaged checkpoint or a manifest from another run is an error, not
                                silently different numbers
   golden/eval.json             held-out metrics of the final golden state
-  campaigns/<name>/...         playback and runtime results
+  campaigns/<name>/...         playback and runtime results; while a named runtime run is
+                               unfinished, runtime.partial.json (its spec and progress) and
+                               runtime-state/<step>/ (Orbax checkpoints of its injected state at
+                               the last chunk ends), removed when runtime.json is written
 
 Only JSON, Orbax and pickle-free `.npz` are written; nothing is ever unpickled. JSON files are
 written atomically (temporary file + rename); JSONL files are appended line by line and a torn

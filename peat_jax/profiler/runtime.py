@@ -3,22 +3,28 @@ one jitted step, and classify what it did to training against the golden run's o
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
-from typing import Any, Optional, Sequence, Union
+import pathlib
+import shutil
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax
 import numpy as np
 
 from peat_jax import taxonomy
 from peat_jax.errors import PeatError
-from peat_jax.profiler.golden import load_workload, restore, scalar_metrics
+from peat_jax.profiler.campaign import substitution_digest
+from peat_jax.profiler.golden import load_workload, restore, scalar_metrics, state_digest
 from peat_jax.profiler.hostio import quiet, to_device
-from peat_jax.profiler.rundir import PathLike, RunDir, atomic_write_json
+from peat_jax.profiler.nan_origin import NanOrigin, all_finite, step_nan_origin
+from peat_jax.profiler.rundir import PathLike, RunDir, atomic_write_json, run_identity
 from peat_jax.profiler.workload import Workload
 from peat_jax.schedule import Schedule, inject
 from peat_jax.substitute import Substitution
 
-__all__ = ["RuntimeResult", "runtime", "classify_outcome", "OUTCOMES"]
+__all__ = ["OUTCOMES", "Progress", "RuntimeResult", "RuntimeStore", "classify_outcome", "runtime",
+           "runtime_spec"]
 
 OUTCOMES = taxonomy.OUTCOMES
 
@@ -35,6 +41,9 @@ class RuntimeResult:
       band: the noise band (loss units) the outcome was judged against.
       evidence: the numbers behind the outcome.
       schedule: the schedule, as text.
+      nan_origin: where the first non-finite value was born (`NanOrigin`: the first site whose
+        output was non-finite at the first step whose loss or new state was), or None.
+      resumed_from: the step an interrupted run resumed from, or None for a run in one go.
     """
 
     outcome: str
@@ -44,6 +53,8 @@ class RuntimeResult:
     band: float
     evidence: dict
     schedule: str
+    nan_origin: Optional[NanOrigin] = None
+    resumed_from: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,28 +131,160 @@ def classify_outcome(losses: Sequence[float], golden: Sequence[float], fired: Se
     return ("sharp_degrade" if sharp else "slow_degrade"), band, ev
 
 
+PARTIAL = "runtime.partial.json"
+STATES = "runtime-state"
+
+
+def runtime_spec(manifest: Mapping[str, Any], substitution: Substitution, schedule: Schedule,
+                 steps: int, regions: Sequence[type]) -> dict[str, Any]:
+    """What a stored runtime run is: the golden run, the substitution's digest and candidates,
+    the schedule, the steps and the regions. A run is resumed only with the same spec."""
+    return {"run": run_identity(manifest), "substitution": substitution_digest(substitution),
+            "candidates": sorted({getattr(c, "name", "?") for c in substitution.values()}),
+            "schedule": str(schedule), "steps": int(steps),
+            "regions": [f"{r.__module__}.{r.__qualname__}" for r in regions]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """A runtime run's state at the end of its last completed chunk.
+
+    Attributes:
+      done: steps completed (the state saved is the one before step `done`).
+      losses: the loss of each completed step.
+      origin: the NaN's origin, once found.
+      searched: whether the origin was looked for (a non-finite output was seen).
+      sha256: `state_digest` of the saved state.
+    """
+
+    done: int
+    losses: tuple[float, ...]
+    origin: Optional[NanOrigin]
+    searched: bool
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeStore:
+    """The files of a runtime run in progress under `campaigns/<name>/`: `runtime.partial.json`
+    (the spec and the `Progress`, written atomically after each chunk) and `runtime-state/<step>/`
+    (Orbax checkpoints of the injected run's state at the last two chunk ends; the partial file
+    names one of them)."""
+
+    path: pathlib.Path
+    spec: Mapping[str, Any]
+
+    @property
+    def partial(self) -> pathlib.Path:
+        return self.path / PARTIAL
+
+    def _manager(self):
+        import orbax.checkpoint as ocp
+        return ocp.CheckpointManager(
+            (self.path / STATES).absolute(),
+            options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True,
+                                                 enable_async_checkpointing=False,
+                                                 cleanup_tmp_directories=True))
+
+    def progress(self) -> Optional[Progress]:
+        """The progress of an interrupted run with this spec, or None if there is none. Another
+        spec's unfinished run is a PeatError (nothing is changed)."""
+        if not self.partial.exists():
+            return None
+        try:
+            rec = json.loads(self.partial.read_text())
+            old, p = rec["spec"], rec["progress"]
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            raise PeatError(f"{self.partial} is damaged ({e}); delete it to start the runtime run "
+                            "afresh") from None
+        if old != dict(self.spec):
+            diff = sorted(k for k in set(old) | set(self.spec) if old.get(k) != self.spec.get(k))
+            raise PeatError(
+                f"{self.path} holds an unfinished runtime run with another {', '.join(diff)} "
+                f"({'; '.join(f'{k}: {old.get(k)!r}' for k in diff)}); rerun it with the same "
+                "arguments to finish it, choose another name (--name), or delete "
+                f"{self.partial} to discard it")
+        return Progress(done=int(p["done"]), losses=tuple(float(x) for x in p["losses"]),
+                        origin=NanOrigin.from_dict(p.get("origin")), searched=bool(p["searched"]),
+                        sha256=str(p["sha256"]))
+
+    def restore(self, progress: Progress, like) -> Any:
+        """The state saved before step `progress.done`, with the types of `like`; a PeatError if
+        it is missing or its values differ from the digest recorded."""
+        import orbax.checkpoint as ocp
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        with quiet():
+            mgr = self._manager()
+            try:
+                state = mgr.restore(progress.done, args=ocp.args.StandardRestore(target))
+            except Exception as e:  # noqa: BLE001 - Orbax raises many types for damaged files
+                raise PeatError(f"the runtime run's state at step {progress.done} in "
+                                f"{self.path / STATES} cannot be restored ({type(e).__name__}); "
+                                f"delete {self.partial} to start afresh") from None
+            finally:
+                mgr.close()
+        if state_digest(state) != progress.sha256:
+            raise PeatError(f"the runtime run's state at step {progress.done} in "
+                            f"{self.path / STATES} is damaged (its SHA-256 differs from the one "
+                            f"recorded); delete {self.partial} to start afresh")
+        return state
+
+    def save(self, progress: Progress, state) -> None:
+        """Save `state` (before step `progress.done`), then the progress that names it."""
+        import orbax.checkpoint as ocp
+        with quiet():
+            mgr = self._manager()
+            try:
+                if progress.done not in mgr.all_steps():
+                    mgr.save(progress.done, args=ocp.args.StandardSave(state), force=True)
+                    mgr.wait_until_finished()
+            finally:
+                mgr.close()
+        atomic_write_json(self.partial, {"spec": dict(self.spec),
+                                         "progress": dataclasses.asdict(progress)})
+
+    def discard(self) -> None:
+        """Remove the progress and the saved states (the run is finished)."""
+        self.partial.unlink(missing_ok=True)
+        shutil.rmtree(self.path / STATES, ignore_errors=True)
+
+
 def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substitution,
             schedule: Schedule, *, steps: int, workload: Optional[Workload] = None,
             regions: Sequence[type] = (), name: Optional[str] = None, seed: int = 0,
-            progress=None) -> RuntimeResult:
+            chunk: Optional[int] = None, progress=None) -> RuntimeResult:
     """Train `steps` steps with `substitution` active on the steps `schedule` picks.
 
     From a run directory: starts from its step-0 checkpoint and compares with its recorded golden
     losses (`steps` must not exceed the golden run). From a `Workload`: initialises it with `seed`
     and runs the golden steps alongside. The injected step is one jitted `peat.inject` function:
-    one compile for the whole run. With `name` (run directory only) the result is written to
-    `campaigns/<name>/runtime.json`.
+    one compile for the whole run.
+
+    With `name` (run directory only) the result is written to `campaigns/<name>/runtime.json`,
+    and the run keeps its progress there every `chunk` steps (default: the golden run's
+    checkpoint interval): an interrupted run called again with the same arguments resumes from
+    its last completed chunk, with the same result as a run in one go; other arguments while
+    one is unfinished are a PeatError.
+
+    When a step's loss or new state is non-finite (the first such step), that step is replayed
+    from its input state, kept in memory, with every site watched: `nan_origin` names the first
+    site whose output was non-finite (see `peat_jax.profiler.nan_origin`).
 
     Returns:
       A `RuntimeResult`.
     """
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps <= 0:
         raise PeatError(f"steps must be a positive int, got {steps!r}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer))
+                              or chunk <= 0):
+        raise PeatError(f"chunk must be a positive int, got {chunk!r}")
     if not isinstance(schedule, Schedule):
         raise PeatError("runtime needs a peat schedule (peat.every / peat.at_steps / "
                         f"peat.with_probability), got {type(schedule).__name__}")
-    rd = None
+    rd = store = None
     if isinstance(run_dir_or_workload, Workload):
+        if name is not None:
+            raise PeatError("name= stores the result in a run directory; pass a run directory")
         wl = run_dir_or_workload
         state0 = wl.init(jax.random.key(seed))
         golden = None
@@ -156,27 +299,47 @@ def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substi
         golden = golden[:steps]
         with quiet():
             state0 = restore(rd.path, 0, workload=wl)
+        if name is not None:
+            store = RuntimeStore(rd.campaign(name),
+                                 runtime_spec(m, substitution, schedule, steps, regions))
+            chunk = int(chunk or m["checkpoint_every"])
     step_fn = jax.jit(inject(wl.train_step, substitution, schedule, regions=regions))
     plain = jax.jit(wl.train_step) if golden is None else None
+    resumed = store.progress() if store is not None else None
+    if store is not None and resumed is None:
+        store.discard()  # states left by a run killed before its first chunk: not ours to trust
     state, gstate = state0, state0
-    losses, golden_run = [], []
-    for i in range(steps):
+    losses, golden_run, origin, searched = [], [], None, False
+    if resumed is not None:
+        losses, origin, searched = list(resumed.losses), resumed.origin, resumed.searched
+        if resumed.done < steps:
+            state = store.restore(resumed, state0)
+    for i in range(len(losses), steps):
         batch = to_device(wl.batch(i))
-        state, metrics = step_fn(state, batch, i)
+        new, metrics = step_fn(state, batch, i)
         losses.append(scalar_metrics(metrics)["loss"])
+        if not searched and not (np.isfinite(losses[-1]) and all_finite(new)):
+            origin = step_nan_origin(wl.train_step, state, batch, i, substitution=substitution,
+                                     schedule=schedule, regions=regions)
+            searched = True
+        state = new
         if plain is not None:
             gstate, gm = plain(gstate, batch)
             golden_run.append(scalar_metrics(gm)["loss"])
+        if store is not None and ((i + 1) % chunk == 0 or i + 1 == steps):
+            store.save(Progress(done=i + 1, losses=tuple(losses), origin=origin,
+                                searched=searched, sha256=state_digest(state)), state)
         if progress is not None:
             progress(i + 1, steps)
     golden = golden if golden is not None else golden_run
     fired = schedule.fired_steps(range(steps))
     outcome, band, ev = classify_outcome(losses, golden, fired)
     ev["compiles"] = step_fn._cache_size()
-    result = RuntimeResult(outcome, tuple(losses), tuple(golden), tuple(fired), band, ev,
-                           str(schedule))
-    if name is not None:
-        if rd is None:
-            raise PeatError("name= stores the result in a run directory; pass a run directory")
-        atomic_write_json(rd.campaign(name) / "runtime.json", result.to_dict())
+    result = RuntimeResult(outcome=outcome, losses=tuple(losses), golden_losses=tuple(golden),
+                           fired_steps=tuple(fired), band=band, evidence=ev,
+                           schedule=str(schedule), nan_origin=origin,
+                           resumed_from=resumed.done if resumed is not None else None)
+    if store is not None:
+        atomic_write_json(store.path / "runtime.json", result.to_dict())
+        store.discard()
     return result

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from peat_jax import taxonomy
 from peat_jax.errors import PeatError
+from peat_jax.profiler.nan_origin import NanOrigin
 from peat_jax.profiler.rundir import PathLike, RunDir, read_jsonl
 from peat_jax.report.plots import bar_chart, line_chart, mask_image
 
@@ -139,10 +140,13 @@ def _runtime_section(name: str, res: dict) -> str:
                        title=f"loss, {res.get('schedule', '')}", markers=res.get("fired_steps", []),
                        ylabel="loss")
     ok = res.get("outcome") == "masked"
+    origin = NanOrigin.from_dict(res.get("nan_origin"))
+    born = (f"<p class='fail'>NaN born at {_e(origin)}: the first site whose output was "
+            "non-finite at the first step whose loss or new state was.</p>" if origin else "")
     return (f'<h2 id="runtime-{_e(name)}">Runtime injection: {_e(name)}</h2><p>Outcome: '
             f"<span class='{'pass' if ok else 'fail'}'>{_e(res.get('outcome'))}</span>; schedule "
             f"<code>{_e(res.get('schedule'))}</code>, fired at {len(res.get('fired_steps', []))} steps "
-            f"(dashed lines); noise band {_e(round(res.get('band', 0), 6))}.</p>{chart}"
+            f"(dashed lines); noise band {_e(round(res.get('band', 0), 6))}.</p>{born}{chart}"
             + _table([(k, v) for k, v in (res.get("evidence") or {}).items()]))
 
 
