@@ -41,14 +41,13 @@ ffi::Error NaiveMatmulImpl(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NaiveMatmul, NaiveMatmulImpl<false>,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// The handlers' signature: a, b -> out.
+static auto MatmulBinding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NaiveMatmulTileBug, NaiveMatmulImpl<true>,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NaiveMatmul, NaiveMatmulImpl<false>, MatmulBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NaiveMatmulTileBug, NaiveMatmulImpl<true>, MatmulBinding());

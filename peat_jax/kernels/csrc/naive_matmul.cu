@@ -84,16 +84,14 @@ ffi::Error NaiveMatmulCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> a, ffi::Bu
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NaiveMatmul, NaiveMatmulCuda<false>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// The handlers' signature: the stream, a, b -> out.
+static auto MatmulBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NaiveMatmulTileBug, NaiveMatmulCuda<true>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NaiveMatmul, NaiveMatmulCuda<false>, MatmulBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NaiveMatmulTileBug, NaiveMatmulCuda<true>, MatmulBinding());
