@@ -52,8 +52,18 @@ def _sub_matmul(kernel):
     return peat.substitute(_matmul_ref, {"dot_general": kernel})
 
 
+def _ffi_matmul(ffi_dir: str):
+    """The substituted FFI matmul (C++ on the CPU, CUDA on a GPU), or the PeatError's message
+    when it cannot be built here (no compiler: e.g. no nvcc on a GPU machine)."""
+    try:
+        return _sub_matmul(peat.kernels.ffi_matmul(cache_dir=ffi_dir))
+    except peat.PeatError as e:
+        return str(e)
+
+
 def cases(ffi_dir: str):
-    """name -> (candidate fn, reference fn, args builder(dtype, big: bool))."""
+    """name -> (candidate fn, reference fn, args builder(dtype, big: bool)), or name -> why it is
+    skipped."""
     def rows(dt, big):
         shape = (64, 256) if big else (3, 7, 13)
         return ((3.0 * jax.random.normal(jax.random.key(0), shape)).astype(dt),)
@@ -86,8 +96,7 @@ def cases(ffi_dir: str):
         "pallas_attention(causal)": (pk.pallas_attention(causal=True), causal_ref, att_args),
         "jax_pallas_layer_norm": (pk.jax_pallas_layer_norm(), references.layer_norm, ln_args),
         "jax_pallas_mha(causal)": (pk.jax_pallas_mha(causal=True), causal_ref, mha_args),
-        "ffi_matmul": (_sub_matmul(peat.kernels.ffi_matmul(cache_dir=ffi_dir)), _matmul_ref,
-                       mm_args),
+        "ffi_matmul": (_ffi_matmul(ffi_dir), _matmul_ref, mm_args),
         "torch_matmul": (_sub_matmul(peat.kernels.dot_general(
             peat.kernels.torch_kernel(torch.matmul), batched=True)), _matmul_ref, mm_args),
         "numpy_matmul": (_sub_matmul(peat.kernels.dot_general(peat.kernels.numpy_kernel(
@@ -95,7 +104,7 @@ def cases(ffi_dir: str):
                                               np.swapaxes(ops[0], -1, -2) @ g)), batched=True)),
             _matmul_ref, mm_args),
     }
-    return out
+    return {name: case[0] if isinstance(case[0], str) else case for name, case in out.items()}
 
 
 def errors(cand, ref, make_args) -> dict:
@@ -152,9 +161,14 @@ def main(argv=None) -> None:
     opts = p.parse_args(argv)
     repeats = 3 if opts.quick else opts.repeats
     result = {"backend": jax.default_backend(), "jax": jax.__version__, "errors": {},
-              "cost_ratio": {}}
+              "cost_ratio": {}, "skipped": {}}
     with tempfile.TemporaryDirectory() as ffi_dir:
-        for name, (cand, ref, make_args) in cases(ffi_dir).items():
+        for name, case in cases(ffi_dir).items():
+            if isinstance(case, str):
+                result["skipped"][name] = case
+                print(name, "skipped:", case, file=sys.stderr, flush=True)
+                continue
+            cand, ref, make_args = case
             result["errors"][name] = errors(cand, ref, make_args)
             result["cost_ratio"][name] = cost_ratios(cand, ref, make_args, repeats)
             print(name, result["cost_ratio"][name], file=sys.stderr, flush=True)

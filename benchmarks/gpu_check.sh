@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check: what a person with a GPU runs (under 6 minutes on one H200) to see that peat_jax
 # holds there. It runs `peat demo` on the vision and the language workload, `peat check` of every
-# bundled kernel, and the core, analyzer and profiler benchmarks (each prints its one JSON line).
+# bundled kernel (ffi_matmul builds its CUDA version with nvcc: $NVCC, PATH or /usr/local/cuda/bin;
+# ffi_matmul_tile_bug must exit 1), and the core, analyzer and profiler benchmarks (each prints its
+# one JSON line).
 # Ends with one JSON line: each step's exit status and seconds, the jax version and the device.
 #
 #   bash benchmarks/gpu_check.sh            # PYTHON=... to choose the interpreter
@@ -31,6 +33,8 @@ step demo_language 150 "$PY" -m peat_jax demo --workload language --steps 20 --o
 for k in pallas_matmul blocked_matmul xla_matmul ffi_matmul pallas_softmax pallas_layer_norm pallas_attention; do
   step "check_$k" 60 "$PY" -m peat_jax check "$k"
 done
+# the CUDA build of the FFI matmul with its seeded tile bug: expected rc 1 (fails: tile_boundary)
+step check_ffi_matmul_tile_bug 60 "$PY" -m peat_jax check ffi_matmul_tile_bug
 for b in bench_core bench_analyze bench_profiler; do
   step "$b" 240 "$PY" "benchmarks/$b.py"
 done

@@ -1,7 +1,9 @@
-"""Validate an XLA FFI custom-call kernel: the bundled naive C++ matmul
-(`peat_jax/kernels/csrc/naive_matmul.cc`), compiled here with g++ against jax's FFI headers,
-checked against XLA's dot forward and backward, then replayed at every GEMM site of a training
-step and used for training.
+"""Validate an XLA FFI custom-call kernel: the bundled matmul, compiled here against jax's FFI
+headers (the naive C++ `peat_jax/kernels/csrc/naive_matmul.cc` with g++ on the CPU; on a CUDA GPU
+also the tiled `naive_matmul.cu` with nvcc, registered under the same target), checked against
+XLA's dot forward and backward, its seeded-bug variant named by the detector, then replayed at
+every GEMM site of a training step and used for training. The same script runs on a CPU or a GPU
+backend.
 
     python3 examples/ffi_kernel.py [--quick]
 
@@ -22,14 +24,20 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="example inputs only, 5 training steps")
     opts = p.parse_args(argv)
-    kernel = peat.kernels.ffi_matmul()  # builds (once, cached) and registers the C++ target
+    kernel = peat.kernels.ffi_matmul()  # builds (once, cached) and registers the target
     a = jax.random.normal(jax.random.key(0), (67, 45))
     b = jax.random.normal(jax.random.key(1), (45, 33))
     dims = (((1,), (0,)), ((), ()))
-    d = peat.check_kernel(lambda a, b: kernel(a, b, dimension_numbers=dims),
-                          lambda a, b: jax.lax.dot_general(a, b, dims), a, b,
-                          variants=("example",) if opts.quick else None)
-    print(f"ffi_matmul vs XLA dot (forward, backward, adversarial inputs): {d.summary}")
+
+    def check(k):
+        return peat.check_kernel(lambda a, b: k(a, b, dimension_numbers=dims),
+                                 lambda a, b: jax.lax.dot_general(a, b, dims), a, b,
+                                 variants=("example",) if opts.quick else None)
+
+    print(f"ffi_matmul vs XLA dot on {jax.default_backend()} (forward, backward, adversarial "
+          f"inputs): {check(kernel).summary}")
+    bug = peat.kernels.ffi_matmul(tile_bug=True)  # rows of the last partial 16-row tile unwritten
+    print(f"ffi_matmul_tile_bug: {check(bug).summary}")
 
     wl = models.get("vision", batch_size=16, width=8, hidden=32)
     state = wl.init(jax.random.key(0))

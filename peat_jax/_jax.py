@@ -30,8 +30,8 @@ from peat_jax.errors import PeatError
 
 __all__ = [
     "JAX_VERSION", "TESTED_RANGE", "Literal", "ScanLayout", "WhileLayout", "bind", "cache_size",
-    "call_body", "cond_branches", "eqn_context", "is_differentiating", "is_jaxpr", "is_tracer",
-    "jaxpr_body", "jaxpr_consts", "name_stack", "pallas_interpreter", "remat_layout",
+    "call_body", "cond_branches", "eqn_context", "ffi_platform", "is_differentiating", "is_jaxpr",
+    "is_tracer", "jaxpr_body", "jaxpr_consts", "name_stack", "pallas_interpreter", "remat_layout",
     "scan_layout", "sub_jaxprs", "unsupported", "while_layout",
 ]
 
@@ -270,6 +270,19 @@ def is_differentiating(vals: Sequence[Any]) -> bool:
 def cache_size(jitted: Any) -> int:
     """Executables a `jax.jit`-wrapped function has compiled so far."""
     return jitted._cache_size()
+
+
+# --------------------------------------------------------------------------------------------
+# Backends
+
+def ffi_platform() -> str:
+    """The XLA FFI platform name of jax's default backend, as `jax.ffi.register_ffi_target`
+    takes it: "cpu", "CUDA" or "ROCM" (another backend: its own platform name)."""
+    import jax.extend.backend
+    backend = jax.extend.backend.get_backend()
+    if backend.platform in ("gpu", "cuda", "rocm"):
+        return "ROCM" if "rocm" in str(backend.platform_version).lower() else "CUDA"
+    return backend.platform
 
 
 # --------------------------------------------------------------------------------------------

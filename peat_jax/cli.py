@@ -44,6 +44,7 @@ KERNELS: dict[str, Callable[[], "peat.Kernel"]] = {
     "blocked_matmul": lambda: peat.kernels.blocked_matmul(),
     "xla_matmul": lambda: peat.kernels.xla_matmul(),
     "ffi_matmul": lambda: peat.kernels.ffi_matmul(),
+    "ffi_matmul_tile_bug": lambda: peat.kernels.ffi_matmul(tile_bug=True),  # fails: tile_boundary
 }
 
 

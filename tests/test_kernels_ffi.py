@@ -1,8 +1,14 @@
 """XLA FFI kernels: the bundled naive C++ matmul compiled from source by this test run (into a
-fresh cache directory), its cache, compiler errors, accuracy at dot_general sites and training."""
+fresh cache directory), its cache, compiler errors, accuracy at dot_general sites and training;
+the CUDA build (nvcc, compile only here; run where jax has a GPU), its errors and cache; the
+seeded tile bug diagnosed; a target with no implementation for the backend refused before the
+call."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import time
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +16,8 @@ import numpy as np
 import pytest
 
 import peat_jax as peat
+from peat_jax import cli
+from peat_jax._jax import ffi_platform
 from peat_jax.kernels import ffi
 
 TOL = {jnp.float32: 1e-5, jnp.float16: 1e-2, jnp.bfloat16: 6e-2}  # as in test_kernels_pallas
@@ -110,3 +118,176 @@ def test_ffi_matmul_refuses_sites_it_cannot_serve(kernel):
     i = jnp.ones((3, 3), jnp.int32)
     with pytest.raises(peat.PeatError, match="cannot use kernel 'ffi_matmul'.*int32"):
         peat.substitute(lambda a: a @ a, {"dot_general": kernel}).selected(i)
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA: built with nvcc here (compile only), run only where jax has a GPU
+
+def _have_nvcc() -> bool:
+    try:
+        ffi.find_nvcc()
+        return True
+    except peat.PeatError:
+        return False
+
+
+MM_DIMS = (((1,), (0,)), ((), ()))
+HAVE_GPU = ffi_platform() == "CUDA"
+needs_nvcc = pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found ($NVCC, PATH, "
+                                "/usr/local/cuda/bin): the CUDA sources are not compile-tested")
+needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="jax has no CUDA GPU here: the CUDA build "
+                               "of ffi_matmul only runs on one (run this file on a GPU machine)")
+
+
+class _Runs:
+    """Records the commands `ffi` runs through subprocess.run."""
+
+    def __init__(self, monkeypatch):
+        self.cmds: list[list[str]] = []
+        real = subprocess.run
+
+        def run(cmd, *a, **kw):
+            self.cmds.append([str(c) for c in cmd])
+            return real(cmd, *a, **kw)
+
+        monkeypatch.setattr(ffi.subprocess, "run", run)
+
+    def compiles(self) -> list[list[str]]:
+        return [c for c in self.cmds if "-o" in c]
+
+
+@needs_nvcc
+def test_bundled_cuda_source_compiles_with_nvcc_and_is_cached(cache_dir, monkeypatch):
+    runs = _Runs(monkeypatch)
+    t0 = time.perf_counter()
+    lib = ffi.build_cuda_library(ffi._CSRC / "naive_matmul.cu", "naive_matmul_cuda",
+                                 cache_dir=cache_dir)
+    first = time.perf_counter() - t0
+    (cmd,) = runs.compiles()
+    assert "-gencode" in cmd and "arch=compute_90,code=sm_90" in cmd  # Hopper machine code
+    assert "arch=compute_90,code=compute_90" in cmd  # and PTX for later GPUs
+    data = lib.read_bytes()
+    assert b"NaiveMatmul\0" in data and b"NaiveMatmulTileBug\0" in data  # exported handlers
+    t0 = time.perf_counter()
+    again = ffi.build_cuda_library(ffi._CSRC / "naive_matmul.cu", "naive_matmul_cuda",
+                                   cache_dir=cache_dir)
+    hit = time.perf_counter() - t0
+    assert again == lib and len(runs.compiles()) == 1  # cache hit: nvcc --version only
+    print(f"nvcc build {first:.1f} s, cache hit {hit:.3f} s")
+    other = ffi.build_ffi_library(ffi._CSRC / "naive_matmul.cu", "naive_matmul_cuda",
+                                  cache_dir=cache_dir)  # a .cu handed on to nvcc: same key
+    assert other == lib
+
+
+@needs_nvcc
+def test_cuda_compile_error_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.cu"
+    bad.write_text('#include "xla/ffi/api/ffi.h"\n\n__global__ void k(float* x) { x[0] = y; }\n')
+    with pytest.raises(peat.PeatError,
+                       match=r"(?s)compiling bad.cu failed at \S*bad\.cu:3 \(exit \d+\): "
+                             r"\S*nvcc .*identifier \"y\" is undefined"):
+        ffi.build_cuda_library(bad, "bad", cache_dir=tmp_path)
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".so")]  # no half-built library
+
+
+def test_missing_nvcc_is_a_peat_error_saying_what_to_do(tmp_path, monkeypatch):
+    src = tmp_path / "k.cu"
+    src.write_text("// empty\n")
+    monkeypatch.setenv("NVCC", str(tmp_path / "no-nvcc"))
+    with pytest.raises(peat.PeatError, match=r"no-nvcc' \(from \$NVCC\) is not an executable"):
+        ffi.build_cuda_library(src, "k", cache_dir=tmp_path)
+    monkeypatch.delenv("NVCC")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(ffi, "NVCC_DEFAULT", str(tmp_path / "cuda/bin/nvcc"))
+    with pytest.raises(peat.PeatError, match=r"nvcc not found \(\$NVCC unset, not on PATH.*"
+                                             r"install the CUDA toolkit.*set \$NVCC"):
+        ffi.build_cuda_library(src, "k", cache_dir=tmp_path)
+
+
+def test_cuda_arch_flags():
+    assert ffi.cuda_arch_flags() == ["-gencode", "arch=compute_80,code=sm_80",
+                                     "-gencode", "arch=compute_90,code=sm_90",
+                                     "-gencode", "arch=compute_90,code=compute_90"]
+    assert ffi.cuda_arch_flags("sm_100") == ["-gencode", "arch=compute_100,code=sm_100",
+                                             "-gencode", "arch=compute_100,code=compute_100"]
+    assert ffi.cuda_arch_flags(["sm_90a"]) == ["-gencode", "arch=compute_90a,code=sm_90a"]
+    assert ffi.cuda_arch_flags("native") == ["-arch=native"]
+    with pytest.raises(peat.PeatError, match="must look like 'sm_90'"):
+        ffi.cuda_arch_flags("hopper")
+
+
+def test_first_error_location():
+    assert ffi.first_error_location("x.cu(12): warning: w\nx.cu(14): error: e") == "x.cu:14"
+    assert ffi.first_error_location("In file included from a.h:3,\n/t/b.cc:7:5: error: e") \
+        == "/t/b.cc:7"
+    assert ffi.first_error_location("nvcc fatal   : Unsupported gpu architecture") is None
+
+
+def test_local_headers_are_part_of_the_cache_key(tmp_path):
+    (tmp_path / "defs.h").write_text("#define SCALE 1.0f\n")
+    src = tmp_path / "k.cc"
+    src.write_text('#include "defs.h"\nextern "C" float scale() { return SCALE; }\n')
+    first = ffi.build_ffi_library(src, "k", cache_dir=tmp_path)
+    (tmp_path / "defs.h").write_text("#define SCALE 2.0f\n")
+    assert ffi.build_ffi_library(src, "k", cache_dir=tmp_path) != first
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="the backend is CUDA: a CUDA-only kernel has its "
+                    "implementation here")
+def test_a_backend_without_an_implementation_is_refused_before_the_call():
+    # CUDA only: on a CPU backend the .cu file is neither built nor loaded (so no nvcc is
+    # needed), and calling it is an error before any ffi_call
+    k = ffi.ffi_kernel(None, "NaiveMatmul", cuda=ffi._CSRC / "naive_matmul.cu", name="cuda_mm",
+                       nvcc="/no/such/nvcc")
+    assert ffi.registered_platforms(ffi.ffi_target(
+        None, "NaiveMatmul", cuda=ffi._CSRC / "naive_matmul.cu")) == frozenset()
+    a = jnp.ones((4, 4))
+    with pytest.raises(peat.PeatError, match=r"cuda_mm has no cpu implementation registered "
+                                             r"\(it has: none\).*JAX_PLATFORMS"):
+        jax.jit(k)(a, a)
+
+
+def _target_of(kernel) -> str:
+    """The FFI target name in the jaxpr of `kernel` at a plain matmul site."""
+    jaxpr = str(jax.make_jaxpr(lambda a, b: kernel(a, b, dimension_numbers=MM_DIMS))(
+        jnp.ones((2, 3)), jnp.ones((3, 2))))
+    return jaxpr.split("target_name=")[1].split()[0].strip(",]")
+
+
+def test_one_target_name_for_every_platform(kernel):
+    assert ffi.registered_platforms(_target_of(kernel)) == (
+        {"cpu", "CUDA"} if HAVE_GPU else {"cpu"})
+
+
+def _check_matmul(kernel, variants=None):
+    a = jax.random.normal(jax.random.key(0), (67, 45))
+    b = jax.random.normal(jax.random.key(1), (45, 33))
+    return peat.check_kernel(lambda a, b: kernel(a, b, dimension_numbers=MM_DIMS),
+                             lambda a, b: jax.lax.dot_general(a, b, MM_DIMS), a, b,
+                             variants=variants)
+
+
+@pytest.mark.parametrize("tile_bug", [False, True], ids=["correct", "tile_bug"])
+def test_seeded_tile_bug_is_named_by_the_detector(cache_dir, tile_bug):
+    """The C++ build holds the same seeded bug as the CUDA one (rows of the last partial 16-row
+    tile never written): `check_kernel` fails it as tile_boundary; the correct kernel passes."""
+    k = ffi.ffi_matmul(tile_bug=tile_bug, cache_dir=cache_dir)
+    assert k.name == ("ffi_matmul_tile_bug" if tile_bug else "ffi_matmul")
+    d = _check_matmul(k, variants=("example", "odd_shape"))
+    if tile_bug:
+        assert not d.passed and d.model == "tile_boundary", d.summary
+        assert "rows 64..66" in d.summary  # forward: the last partial tile of 67 rows
+    else:
+        assert d.passed, d.summary
+    assert "ffi_matmul_tile_bug" in cli.KERNELS
+
+
+@needs_gpu
+def test_cuda_build_checks_on_the_gpu(cache_dir):
+    k = ffi.ffi_matmul(cache_dir=cache_dir)
+    assert "CUDA" in ffi.registered_platforms(_target_of(k))
+    d = _check_matmul(k)
+    assert d.passed, d.summary
+    bug = _check_matmul(ffi.ffi_matmul(tile_bug=True, cache_dir=cache_dir))
+    assert not bug.passed and bug.model == "tile_boundary", bug.summary

@@ -1,13 +1,22 @@
-"""XLA FFI custom calls as candidates: build a C++ kernel, register it, wrap it as a Kernel.
+"""XLA FFI custom calls as candidates: build C++ and CUDA kernels, register them per platform,
+wrap them as a Kernel.
 
-    lib = build_ffi_library("my_matmul.cc", "my_matmul")    # g++ against jax.ffi.include_dir()
-    kernel = ffi_kernel(lib, "MyMatmul", result=lambda a, b: ...)  # a peat.Kernel
-    peat.kernels.ffi_matmul()                               # the bundled naive f32 matmul
+    lib = build_ffi_library("my_matmul.cc", "my_matmul")     # g++ against jax.ffi.include_dir()
+    cu = build_cuda_library("my_matmul.cu", "my_matmul")     # nvcc, the same headers
+    kernel = ffi_kernel("my_matmul.cc", "MyMatmul", result=lambda a, b: ...,
+                        cuda="my_matmul.cu")                 # a peat.Kernel, CPU and CUDA
+    peat.kernels.ffi_matmul()                                # the bundled f32 matmul
 
 Libraries are cached in `cache_dir` (default `$PEAT_CACHE_DIR/ffi`, else
-`~/.cache/peat_jax/ffi`) under a name that hashes the source, the compiler, its version, the
-flags and the jax headers, so they are rebuilt exactly when one of those changes. Targets are
-registered for the CPU platform; calls use `vmap_method="sequential"`.
+`~/.cache/peat_jax/ffi`) under a name that hashes the source (and the headers it includes with
+`#include "..."` from its own folder), the compiler, its version, the flags and the jax release
+(whose headers it is built against), so they are rebuilt exactly when one of those changes.
+
+One handler symbol may have a CPU implementation (registered for the platform "cpu") and a CUDA
+one (registered for "CUDA") under the same target name, so the same `ffi_call` runs on whichever
+backend jax uses. A CUDA library is built and loaded only when jax's default backend is CUDA
+(nothing here opens CUDA libraries on a machine without a GPU); calling a target on a backend it
+has no implementation for is a PeatError before the call. Calls use `vmap_method="sequential"`.
 """
 from __future__ import annotations
 
@@ -16,29 +25,46 @@ import dataclasses
 import hashlib
 import os
 import pathlib
+import re
 import shlex
 import shutil
 import subprocess
 import tempfile
 import threading
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 
+from peat_jax._jax import ffi_platform
 from peat_jax.errors import PeatError
 from peat_jax.kernels._support import dot_general_float_support
 from peat_jax.kernels.base import Kernel
 from peat_jax.kernels.matmul import dot_general
 
-__all__ = ["build_ffi_library", "register_ffi_target", "ffi_function", "ffi_kernel", "ffi_matmul",
-           "CXXFLAGS"]
+__all__ = ["CUDA_ARCHS", "CXXFLAGS", "NVCCFLAGS", "build_cuda_library", "build_ffi_library",
+           "cuda_arch_flags", "ffi_function", "ffi_kernel", "ffi_matmul", "ffi_target",
+           "find_nvcc", "first_error_location", "register_ffi_target", "registered_platforms"]
 
 CXXFLAGS: tuple[str, ...] = ("-O2", "-std=c++17", "-shared", "-fPIC")
+NVCCFLAGS: tuple[str, ...] = ("-O2", "-std=c++17", "--shared", "-Xcompiler", "-fPIC",
+                              "-cudart", "static")
+"""nvcc's flags before the include and architecture flags. The CUDA runtime is linked statically,
+so the library does not depend on the process finding the toolkit's own libcudart."""
+CUDA_ARCHS: tuple[str, ...] = ("sm_80", "sm_90")
+"""Default GPU architectures: machine code for A100 (sm_80) and H100/H200 (sm_90), plus PTX of
+the newest, which the driver compiles for later GPUs."""
+NVCC_DEFAULT = "/usr/local/cuda/bin/nvcc"
+"""Where nvcc is looked for after `$NVCC` and PATH (then `$CUDA_HOME/bin/nvcc`)."""
+CUDA_SUFFIXES: tuple[str, ...] = (".cu",)
+CXX_SUFFIXES: tuple[str, ...] = (".cc", ".cpp", ".cxx", ".c++", ".C")
 _CSRC = pathlib.Path(__file__).parent / "csrc"
 _LOCK = threading.Lock()
 _LIBS: dict[str, ctypes.CDLL] = {}            # resolved path -> loaded library (kept alive)
 _TARGETS: dict[tuple[str, str, str], str] = {}  # (path, symbol, platform) -> target name
+_PLATFORMS: dict[str, set[str]] = {}           # target name -> platforms registered for it
+_PLATFORM_NAMES = {"cpu": "cpu", "host": "cpu", "cuda": "CUDA", "gpu": "CUDA", "rocm": "ROCM"}
+Library = Union[str, os.PathLike, ctypes.CDLL]
 
 
 def _default_cache_dir() -> pathlib.Path:
@@ -47,6 +73,10 @@ def _default_cache_dir() -> pathlib.Path:
         return pathlib.Path(root) / "ffi"
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(xdg) / "peat_jax" / "ffi"
+
+
+# --------------------------------------------------------------------------------------------
+# Toolchains
 
 
 def _compiler(compiler: Optional[str]) -> str:
@@ -58,12 +88,156 @@ def _compiler(compiler: Optional[str]) -> str:
     return path
 
 
+def find_nvcc(nvcc: Optional[str] = None) -> str:
+    """The path of the CUDA compiler: `nvcc` if given, else `$NVCC`, else `nvcc` on PATH, else
+    `$CUDA_HOME/bin/nvcc`, else `NVCC_DEFAULT`.
+
+    Raises:
+      PeatError: none of them is an executable (saying what to install or set).
+    """
+    given = nvcc or os.environ.get("NVCC")
+    if given:
+        path = shutil.which(given)
+        if path is None:
+            raise PeatError(f"CUDA compiler {given!r} (from {'nvcc=' if nvcc else '$NVCC'}) is not "
+                            "an executable: point it at the CUDA toolkit's bin/nvcc")
+        return path
+    candidates = [shutil.which("nvcc")]
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
+    candidates.append(NVCC_DEFAULT)
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    raise PeatError(f"CUDA compiler nvcc not found ($NVCC unset, not on PATH, not at "
+                    f"{NVCC_DEFAULT}): install the CUDA toolkit (https://developer.nvidia.com/"
+                    "cuda-downloads; its version must be one the GPU driver supports), or set "
+                    "$NVCC (or pass nvcc=) to its bin/nvcc")
+
+
+def cuda_arch_flags(arch: Union[None, str, Sequence[str]] = None) -> list[str]:
+    """nvcc's architecture flags: `-gencode` machine code for each `sm_XY` of `arch` (default
+    `CUDA_ARCHS`) plus PTX of the newest (for later GPUs); `arch="native"`: `-arch=native` (the
+    GPUs of the building machine).
+
+    Raises:
+      PeatError: an architecture that is not `sm_<digits>[a-z]`.
+    """
+    if arch == "native":
+        return ["-arch=native"]
+    archs = [arch] if isinstance(arch, str) else list(arch or CUDA_ARCHS)
+    parsed = []
+    for a in archs:
+        m = re.fullmatch(r"sm_(\d+)([a-z]?)", str(a))
+        if m is None:
+            raise PeatError(f"CUDA architecture {a!r} must look like 'sm_90' (or 'native')")
+        parsed.append((int(m.group(1)), m.group(1) + m.group(2)))
+    if not parsed:
+        raise PeatError("arch= names no CUDA architecture; e.g. arch=('sm_90',)")
+    flags = []
+    for _, code in parsed:
+        flags += ["-gencode", f"arch=compute_{code},code=sm_{code}"]
+    newest = max(parsed)[1]
+    if newest.isdigit():  # arch-specific targets (sm_90a) have no forward-compatible PTX
+        flags += ["-gencode", f"arch=compute_{newest},code=compute_{newest}"]
+    return flags
+
+
 def _compiler_version(cxx: str) -> str:
     try:
         res = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as e:
-        raise PeatError(f"cannot run the C++ compiler {cxx!r}: {e}") from e
+        raise PeatError(f"cannot run the compiler {cxx!r}: {e}") from e
     return res.stdout.strip()
+
+
+# --------------------------------------------------------------------------------------------
+# Cached builds
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+_ERROR_AT = (re.compile(r"^(?P<file>[^\s:(][^:(\n]*):(?P<line>\d+):(?:\d+:)?\s*(?:fatal )?error",
+                        re.MULTILINE),                       # g++: file:line:col: error
+             re.compile(r"^(?P<file>[^\s(][^(\n]*)\((?P<line>\d+)\): (?:catastrophic )?error",
+                        re.MULTILINE))                       # nvcc: file(line): error
+
+
+def _local_headers(src: pathlib.Path) -> list[pathlib.Path]:
+    """The files `src` includes with `#include "..."` that exist next to it, recursively, in a
+    stable order (the jax headers are covered by the jax release in the cache key)."""
+    seen: dict[pathlib.Path, None] = {}
+    todo = [src]
+    while todo:
+        text = todo.pop(0).read_text(errors="replace")
+        for inc in _INCLUDE.findall(text):
+            path = (src.parent / inc).resolve()
+            if path.is_file() and path not in seen and path != src.resolve():
+                seen[path] = None
+                todo.append(path)
+    return list(seen)
+
+
+def first_error_location(output: str) -> Optional[str]:
+    """`file:line` of the first error in a compiler's output (g++'s `file:line:col: error` or
+    nvcc's `file(line): error`), or None when it names no line."""
+    hits = [m for pattern in _ERROR_AT for m in pattern.finditer(output)]
+    if not hits:
+        return None
+    first = min(hits, key=lambda m: m.start())
+    return f"{first.group('file')}:{first.group('line')}"
+
+
+def _build_key(src: pathlib.Path, compiler: str, flags: Sequence[str]) -> str:
+    """A hex digest of what the build depends on: sources, compiler, its version, flags, jax."""
+    key = hashlib.sha256()
+    for part in (src.read_bytes(), *(h.read_bytes() for h in _local_headers(src)),
+                 compiler.encode(), _compiler_version(compiler).encode(),
+                 "\0".join(flags).encode(), jax.__version__.encode()):
+        key.update(part)
+        key.update(b"\0")
+    return key.hexdigest()
+
+
+def _check_source(src: pathlib.Path, name: str) -> None:
+    if not src.is_file():
+        raise PeatError(f"FFI source {str(src)!r} does not exist")
+    if not name or not all(c.isalnum() or c in "_-" for c in name):
+        raise PeatError(f"library name {name!r} must be letters, digits, '_' or '-'")
+
+
+def _compile_cached(src: pathlib.Path, name: str, compiler: str, flags: Sequence[str],
+                    cache_dir: Optional[Union[str, os.PathLike]]) -> pathlib.Path:
+    """Run `compiler flags src -o lib` unless `<cache_dir>/lib<name>-<key>.so` exists.
+
+    Returns:
+      The library's path.
+
+    Raises:
+      PeatError: compilation failed or timed out (with the command, the first error's file:line
+        and the compiler's output); no half-built library is left behind.
+    """
+    out_dir = pathlib.Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+    out = out_dir / f"lib{name}-{_build_key(src, compiler, flags)[:16]}.so"
+    if out.is_file():
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".lib{name}-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    cmd = [compiler, *flags, str(src), "-o", tmp]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            message = "\n".join(x for x in (res.stderr.strip(), res.stdout.strip()) if x)
+            where = first_error_location(message)
+            raise PeatError(f"compiling {src.name} failed{f' at {where}' if where else ''} "
+                            f"(exit {res.returncode}): {shlex.join(cmd)}\n{message}")
+        os.replace(tmp, out)  # atomic: concurrent builders of the same key agree
+    except subprocess.TimeoutExpired as e:
+        raise PeatError(f"compiling {src.name} timed out: {shlex.join(cmd)}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
 
 
 def build_ffi_library(source_path: Union[str, os.PathLike], name: str, *,
@@ -72,8 +246,9 @@ def build_ffi_library(source_path: Union[str, os.PathLike], name: str, *,
                       ) -> pathlib.Path:
     """Compile a C++ XLA FFI source into a shared library, or reuse the cached build.
 
-    Runs `<compiler> -O2 -std=c++17 -shared -fPIC -I<jax.ffi.include_dir()> <extra_flags>
-    source -o lib`. The compiler is `compiler`, else `$CXX`, else `g++`.
+    Runs `<compiler> -O2 -std=c++17 -shared -fPIC -isystem <jax.ffi.include_dir()> <extra_flags>
+    source -o lib`. The compiler is `compiler`, else `$CXX`, else `g++`. A `.cu` source is handed
+    to `build_cuda_library` (`compiler` then names nvcc).
 
     Args:
       source_path: the `.cc` file.
@@ -86,44 +261,53 @@ def build_ffi_library(source_path: Union[str, os.PathLike], name: str, *,
 
     Raises:
       PeatError: the source is missing, the compiler is missing, or compilation failed (the
-        message holds the compiler's output).
+        message holds the first error's file:line and the compiler's output).
     """
     src = pathlib.Path(source_path)
-    if not src.is_file():
-        raise PeatError(f"FFI source {str(src)!r} does not exist")
-    if not name or not all(c.isalnum() or c in "_-" for c in name):
-        raise PeatError(f"library name {name!r} must be letters, digits, '_' or '-'")
-    cxx = _compiler(compiler)
-    include = jax.ffi.include_dir()
-    flags = list(CXXFLAGS) + [f"-I{include}"] + [str(f) for f in extra_flags]
-    key = hashlib.sha256()
-    for part in (src.read_bytes(), cxx.encode(), _compiler_version(cxx).encode(),
-                 "\0".join(flags).encode(), jax.__version__.encode()):
-        key.update(part)
-        key.update(b"\0")
-    out_dir = pathlib.Path(cache_dir) if cache_dir is not None else _default_cache_dir()
-    out = out_dir / f"lib{name}-{key.hexdigest()[:16]}.so"
-    if out.is_file():
-        return out
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".lib{name}-", suffix=".so", dir=out_dir)
-    os.close(fd)
-    cmd = [cxx, *flags, str(src), "-o", tmp]
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if res.returncode != 0:
-            raise PeatError(f"compiling {src.name} failed (exit {res.returncode}): "
-                            f"{shlex.join(cmd)}\n{(res.stderr or res.stdout).strip()}")
-        os.replace(tmp, out)  # atomic: concurrent builders of the same key agree
-    except subprocess.TimeoutExpired as e:
-        raise PeatError(f"compiling {src.name} timed out: {shlex.join(cmd)}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    if src.suffix in CUDA_SUFFIXES:
+        return build_cuda_library(src, name, cache_dir=cache_dir, extra_flags=extra_flags,
+                                  nvcc=compiler)
+    _check_source(src, name)
+    flags = [*CXXFLAGS, "-isystem", jax.ffi.include_dir(), *map(str, extra_flags)]
+    return _compile_cached(src, name, _compiler(compiler), flags, cache_dir)
 
 
-def _load(library: Union[str, os.PathLike, ctypes.CDLL]) -> tuple[str, ctypes.CDLL]:
+def build_cuda_library(source_path: Union[str, os.PathLike], name: str, *,
+                       cache_dir: Optional[Union[str, os.PathLike]] = None,
+                       extra_flags: Sequence[str] = (), nvcc: Optional[str] = None,
+                       arch: Union[None, str, Sequence[str]] = None) -> pathlib.Path:
+    """Compile a CUDA XLA FFI source with nvcc into a shared library, or reuse the cached build.
+
+    Runs `nvcc -O2 -std=c++17 --shared -Xcompiler -fPIC -cudart static -isystem
+    <jax.ffi.include_dir()> <cuda_arch_flags(arch)> <extra_flags> source -o lib` (nvcc from
+    `find_nvcc`). No GPU is needed to build; the library runs only on one (whose driver supports
+    the toolkit's CUDA version). Its handlers take the stream as
+    `.Ctx<ffi::PlatformStream<cudaStream_t>>()`.
+
+    Args:
+      source_path: the `.cu` file.
+      name: a file-name-safe stem for the library.
+      arch: GPU architectures (see `cuda_arch_flags`; default `CUDA_ARCHS`).
+
+    Returns:
+      The path of the shared library (`<cache_dir>/lib<name>-<hash>.so`).
+
+    Raises:
+      PeatError: the source or nvcc is missing, or compilation failed (the message holds the
+        first error's file:line and nvcc's output).
+    """
+    src = pathlib.Path(source_path)
+    _check_source(src, name)
+    flags = [*NVCCFLAGS, "-isystem", jax.ffi.include_dir(), *cuda_arch_flags(arch),
+             *map(str, extra_flags)]
+    return _compile_cached(src, name, find_nvcc(nvcc), flags, cache_dir)
+
+
+# --------------------------------------------------------------------------------------------
+# Registration per platform
+
+
+def _load(library: Library) -> tuple[str, ctypes.CDLL]:
     if isinstance(library, ctypes.CDLL):
         return str(library._name), library
     path = str(pathlib.Path(library).resolve())
@@ -138,13 +322,23 @@ def _load(library: Union[str, os.PathLike, ctypes.CDLL]) -> tuple[str, ctypes.CD
     return path, lib
 
 
-def register_ffi_target(library: Union[str, os.PathLike, ctypes.CDLL], symbol: str, *,
-                        target_name: Optional[str] = None, platform: str = "cpu") -> str:
-    """Register the FFI handler `symbol` of `library` with XLA (once per library and symbol).
+def _platform(platform: str) -> str:
+    name = _PLATFORM_NAMES.get(str(platform).lower())
+    if name is None:
+        raise PeatError(f"unknown FFI platform {platform!r}; use 'cpu', 'CUDA' or 'ROCM'")
+    return name
+
+
+def register_ffi_target(library: Library, symbol: str, *, target_name: Optional[str] = None,
+                        platform: str = "cpu") -> str:
+    """Register the FFI handler `symbol` of `library` with XLA for `platform` ("cpu", "CUDA" or
+    "ROCM"), once per library, symbol and platform. Loading a CUDA library needs a CUDA machine.
 
     Returns:
-      The target name to pass to `jax.ffi.ffi_call`.
+      The target name to pass to `jax.ffi.ffi_call` (`target_name`, else one derived from the
+      symbol and the library's path).
     """
+    platform = _platform(platform)
     path, lib = _load(library)
     with _LOCK:
         known = _TARGETS.get((path, symbol, platform))
@@ -159,7 +353,94 @@ def register_ffi_target(library: Union[str, os.PathLike, ctypes.CDLL], symbol: s
         name = target_name or f"peat_{symbol}_{digest}"
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform=platform)
         _TARGETS[(path, symbol, platform)] = name
+        _PLATFORMS.setdefault(name, set()).add(platform)
         return name
+
+
+def registered_platforms(target_name: str) -> Optional[frozenset[str]]:
+    """The platforms peat_jax registered `target_name` for, or None for a target it does not know
+    (registered with jax directly)."""
+    with _LOCK:
+        known = _PLATFORMS.get(target_name)
+        return None if known is None else frozenset(known)
+
+
+def _require_platform(target_name: str, what: str) -> None:
+    """A PeatError unless `target_name` is registered for jax's default backend (targets that
+    peat_jax did not register are not checked)."""
+    have = registered_platforms(target_name)
+    if have is None:
+        return
+    active = ffi_platform()
+    if active not in have:
+        raise PeatError(
+            f"{what} has no {active} implementation registered (it has: "
+            f"{', '.join(sorted(have)) or 'none'}), and jax's default backend is {active}: give "
+            "ffi_kernel a cuda= source (a .cu file, built with nvcc) or run on a backend it has "
+            "(e.g. JAX_PLATFORMS=cpu)")
+
+
+def _library(spec: Library, symbol: str, platform: str, *, cache_dir, compiler, nvcc,
+             arch) -> Library:
+    """`spec` as a library: a C++ or CUDA source is built (cached), a library is kept."""
+    if isinstance(spec, ctypes.CDLL):
+        return spec
+    path = pathlib.Path(spec)
+    stem = re.sub(r"[^A-Za-z0-9_-]", "_", path.stem) or symbol
+    if path.suffix in CUDA_SUFFIXES:
+        if platform != "CUDA":
+            raise PeatError(f"{path.name} is a CUDA source: pass it as cuda=, not as the CPU "
+                            "library")
+        return build_cuda_library(path, f"{stem}_cuda", cache_dir=cache_dir, nvcc=nvcc,
+                                  arch=arch)
+    if path.suffix in CXX_SUFFIXES:
+        return build_ffi_library(path, stem, cache_dir=cache_dir, compiler=compiler)
+    return path
+
+
+def _spec_text(spec: Library) -> str:
+    return str(spec._name) if isinstance(spec, ctypes.CDLL) else str(pathlib.Path(spec).resolve())
+
+
+def ffi_target(library: Optional[Library], symbol: str, *, cuda: Optional[Library] = None,
+               target_name: Optional[str] = None,
+               cache_dir: Optional[Union[str, os.PathLike]] = None,
+               compiler: Optional[str] = None, nvcc: Optional[str] = None,
+               arch: Union[None, str, Sequence[str]] = None) -> str:
+    """Build and register the implementations of the FFI handler `symbol` under one target name.
+
+    Args:
+      library: the CPU implementation (a shared library path or `ctypes.CDLL`, or a C++ source,
+        built with `build_ffi_library`), or None. Registered for "cpu".
+      cuda: the CUDA implementation (a `.cu` source, built with `build_cuda_library`, or a
+        library built from one), or None. Built, loaded and registered for "CUDA" only when
+        jax's default backend is CUDA.
+      target_name: the name to register under (default: derived from the symbol and the
+        libraries).
+
+    Returns:
+      The target name; calling it through `ffi_function` on a backend with no implementation
+      is a PeatError.
+
+    Raises:
+      PeatError: neither implementation given, or a build or load failed.
+    """
+    specs = {p: s for p, s in (("cpu", library), ("CUDA", cuda)) if s is not None}
+    if not specs:
+        raise PeatError(f"FFI handler {symbol!r}: give a CPU library/source or cuda= (or both)")
+    active = ffi_platform()
+    libs = {p: _library(s, symbol, p, cache_dir=cache_dir, compiler=compiler, nvcc=nvcc,
+                        arch=arch)
+            for p, s in specs.items() if p == "cpu" or p == active}
+    if target_name is None:
+        parts = sorted(f"{p}={_spec_text(libs.get(p, s))}" for p, s in specs.items())
+        digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:10]
+        target_name = f"peat_{symbol}_{digest}"
+    for p, lib in libs.items():
+        register_ffi_target(lib, symbol, target_name=target_name, platform=p)
+    with _LOCK:
+        _PLATFORMS.setdefault(target_name, set())
+    return target_name
 
 
 ResultFn = Callable[..., Any]
@@ -171,17 +452,25 @@ def _like_first(*operands):
 
 
 def ffi_function(target_name: str, result: Optional[ResultFn] = None, *,
-                 vmap_method: str = "sequential", **attributes) -> Callable:
+                 vmap_method: str = "sequential", name: Optional[str] = None,
+                 **attributes) -> Callable:
     """A jittable function `f(*operands)` calling the registered FFI target.
 
     Args:
       result: `result(*operands) -> jax.ShapeDtypeStruct` (or a sequence of them) giving the
         output types; default: like the first operand.
+      name: what error messages call it (default: the target name).
       attributes: static FFI attributes (numpy scalars / Python scalars).
+
+    Returns:
+      The function; when traced on a backend (jax's default) that peat_jax registered no
+      implementation of the target for, it raises a PeatError instead of calling.
     """
     result = result or _like_first
+    what = name or f"FFI target {target_name!r}"
 
     def call(*operands):
+        _require_platform(target_name, what)
         return jax.ffi.ffi_call(target_name, result(*operands), vmap_method=vmap_method)(
             *operands, **attributes)
 
@@ -189,30 +478,37 @@ def ffi_function(target_name: str, result: Optional[ResultFn] = None, *,
     return call
 
 
-def ffi_kernel(library: Union[str, os.PathLike, ctypes.CDLL], symbol: str,
-               result: Optional[ResultFn] = None, *, name: Optional[str] = None,
+def ffi_kernel(library: Optional[Library], symbol: str, result: Optional[ResultFn] = None, *,
+               cuda: Optional[Library] = None, name: Optional[str] = None,
                target_name: Optional[str] = None, primitive: Optional[str] = None,
                supports: Optional[Callable] = None, vjp: Optional[Callable] = None,
-               **attributes) -> Kernel:
-    """A `peat.Kernel` whose impl calls an XLA FFI handler from a shared library (CPU).
+               cache_dir: Optional[Union[str, os.PathLike]] = None,
+               compiler: Optional[str] = None, nvcc: Optional[str] = None,
+               arch: Union[None, str, Sequence[str]] = None, **attributes) -> Kernel:
+    """A `peat.Kernel` whose impl calls an XLA FFI handler, on the CPU and/or a CUDA GPU.
 
     `impl(*operands, **op_params)` calls the target on the site's operands (op params are not
     passed; adapt them with a wrapper, as `ffi_matmul` does through
     `peat.kernels.dot_general`).
 
     Args:
-      library, symbol: the shared library (path or loaded `ctypes.CDLL`) and handler symbol.
+      library: the CPU implementation: a shared library (path or loaded `ctypes.CDLL`), or a C++
+        source built with g++; None for a CUDA-only kernel.
+      symbol: the handler symbol (the same in both implementations).
       result: output types from the operands (default: like the first operand).
+      cuda: the CUDA implementation: a `.cu` source built with nvcc (`arch=`, `nvcc=`), or a
+        library built from one; used when jax's default backend is CUDA (see `ffi_target`).
       name: the kernel's name (default: the symbol).
       primitive, supports, vjp: as in `peat.Kernel` (an FFI call is not differentiable: pass
-        `vjp=` where a gradient flows).
+        `vjp=` where a gradient flows; it serves both platforms).
       attributes: static FFI attributes.
 
     Returns:
       A Kernel calling the target with `vmap_method="sequential"`.
     """
-    target = register_ffi_target(library, symbol, target_name=target_name)
-    fn = ffi_function(target, result, **attributes)
+    target = ffi_target(library, symbol, cuda=cuda, target_name=target_name,
+                        cache_dir=cache_dir, compiler=compiler, nvcc=nvcc, arch=arch)
+    fn = ffi_function(target, result, name=name or symbol, **attributes)
 
     def impl(*operands, **_params):
         return fn(*operands)
@@ -221,17 +517,18 @@ def ffi_kernel(library: Union[str, os.PathLike, ctypes.CDLL], symbol: str,
 
 
 # --------------------------------------------------------------------------------------------
-# The bundled naive matmul
+# The bundled matmul (naive C++ on the CPU, tiled CUDA on a GPU)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Target:
     name: str
+    kernel: str
 
 
 def _ffi_matmul3(a, b, target: _Target):
     fn = ffi_function(target.name, lambda a, b: jax.ShapeDtypeStruct(
-        a.shape[:-1] + b.shape[-1:], jnp.float32))
+        a.shape[:-1] + b.shape[-1:], jnp.float32), name=target.kernel)
     return fn(a.astype(jnp.float32), b.astype(jnp.float32))
 
 
@@ -253,21 +550,34 @@ def _make_matmul(target: _Target) -> Callable:
     return mm
 
 
-def ffi_matmul(*, cache_dir: Optional[Union[str, os.PathLike]] = None,
-               compiler: Optional[str] = None) -> Kernel:
-    """A `peat.Kernel` for floating-point `dot_general` sites: the bundled naive C++ f32 matmul
-    (`csrc/naive_matmul.cc`), built on first use and called through XLA FFI on the CPU.
+def ffi_matmul(*, tile_bug: bool = False,
+               cache_dir: Optional[Union[str, os.PathLike]] = None,
+               compiler: Optional[str] = None, nvcc: Optional[str] = None,
+               arch: Union[None, str, Sequence[str]] = None) -> Kernel:
+    """A `peat.Kernel` for floating-point `dot_general` sites: the bundled f32 matmul called
+    through XLA FFI, built on first use: naive C++ on the CPU (`csrc/naive_matmul.cc`, g++), a
+    16x16-tiled shared-memory kernel on a CUDA GPU (`csrc/naive_matmul.cu`, nvcc; `arch=` as in
+    `cuda_arch_flags`), one target name for both.
 
     Operands are cast to float32 and the result to the site's `preferred_element_type`. It
     trains: the batched matmul carries a `jax.custom_vjp` whose backward is the same FFI matmul on
     the transposed problems (`dA = G @ B^T`, `dB = A^T @ G`); the `dot_general` adapter's
     transposes and reshapes carry that to any dimension numbers.
 
+    `tile_bug=True` gives `ffi_matmul_tile_bug`, the same kernel with a seeded bug on both
+    platforms: the row bound is the number of full 16-row tiles times 16, so the rows of a last
+    partial row tile are never written (they read as zeros). `peat.check_kernel` (and
+    `peat check ffi_matmul_tile_bug`) fails it as `tile_boundary` (last partial block along axis
+    -2, e.g. rows 64..66 of a 67-row output).
+
     Raises:
-      PeatError: no compiler, or the build failed (with the compiler's message).
+      PeatError: no compiler (g++; nvcc on a CUDA backend), or a build failed (with the
+        compiler's message).
     """
-    lib = build_ffi_library(_CSRC / "naive_matmul.cc", "naive_matmul", cache_dir=cache_dir,
-                            compiler=compiler)
-    target = _Target(register_ffi_target(lib, "NaiveMatmul"))
-    kernel = dot_general(_make_matmul(target), name="ffi_matmul", batched=True)
-    return dataclasses.replace(kernel, supports=dot_general_float_support("ffi_matmul"))
+    kernel_name = "ffi_matmul_tile_bug" if tile_bug else "ffi_matmul"
+    symbol = "NaiveMatmulTileBug" if tile_bug else "NaiveMatmul"
+    target = _Target(ffi_target(_CSRC / "naive_matmul.cc", symbol,
+                                cuda=_CSRC / "naive_matmul.cu", cache_dir=cache_dir,
+                                compiler=compiler, nvcc=nvcc, arch=arch), kernel_name)
+    kernel = dot_general(_make_matmul(target), name=kernel_name, batched=True)
+    return dataclasses.replace(kernel, supports=dot_general_float_support(kernel_name))
