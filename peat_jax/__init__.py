@@ -17,6 +17,7 @@ from peat_jax.kernels import Kernel
 from peat_jax.profiler import (GoldenRun, RuntimeResult, Workload, profile, register_workload,
                                registered_workloads)
 from peat_jax.profiler.compare import RunComparison, compare_runs
+from peat_jax.profiler.nan_origin import NanOrigin
 from peat_jax.profiler.playback import CellTimeout, PlaybackResult, playback
 from peat_jax.profiler.runtime import runtime
 from peat_jax.regions import flax_regions, region
@@ -32,6 +33,7 @@ __all__ = [
     "Fault",
     "GoldenRun",
     "Kernel",
+    "NanOrigin",
     "PeatError",
     "PlaybackResult",
     "RunComparison",

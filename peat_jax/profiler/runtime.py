@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from peat_jax import taxonomy
+from peat_jax import _jax, taxonomy
 from peat_jax.errors import PeatError
 from peat_jax.profiler.campaign import substitution_digest
 from peat_jax.profiler.golden import load_workload, restore, scalar_metrics, state_digest
@@ -334,7 +334,7 @@ def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substi
     golden = golden if golden is not None else golden_run
     fired = schedule.fired_steps(range(steps))
     outcome, band, ev = classify_outcome(losses, golden, fired)
-    ev["compiles"] = step_fn._cache_size()
+    ev["compiles"] = _jax.cache_size(step_fn)
     result = RuntimeResult(outcome=outcome, losses=tuple(losses), golden_losses=tuple(golden),
                            fired_steps=tuple(fired), band=band, evidence=ev,
                            schedule=str(schedule), nan_origin=origin,
