@@ -337,7 +337,13 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
                 batch = to_device(workload.batch(i))
                 if stats_every and i % stats_every == 0:
                     state, metrics, stats = stepper.with_stats(state, batch)
-                    write_step(rd.site_stats, i, stats_sites, jax.device_get(stats))
+                    stats = jax.device_get(stats)
+                    if len(stats["words"]) != sum(s.recorded for s in stats_sites):
+                        raise PeatError(f"site statistics of {len(stats['words'])} sites came out "
+                                        f"of the step, {len(stats_sites)} were expected: a "
+                                        "container the statistics cannot pass through; please "
+                                        "report it")
+                    write_step(rd.site_stats, i, stats)
                 else:
                     state, metrics = stepper.plain(state, batch)
                 pending.append({"step": i, **scalar_metrics(metrics)})

@@ -6,12 +6,14 @@ substitution puts one) and, from its first floating-point output (the first outp
 without one), a small `SiteStats` record, on the device, inside the one jitted step:
 
   nonfinite  count of NaN/Inf elements                         (int32)
-  absmax     largest |x| over the finite elements               (float32, the output's units)
-  mean       mean of the finite elements                        (float32)
-  rms        root mean square of the finite elements            (float32)
+  absmax     largest |x|                                        (float32, the output's units)
+  mean       mean of the elements                               (float32)
+  rms        root mean square of the elements                   (float32)
   zeros      fraction of elements equal to zero                 (float32, 0..1)
   checksum   sum over elements of bits(x_i) * (2 i + 1), mod 2**32: any changed bit pattern or
              moved element changes it (uint32)
+             (absmax, mean and rms are NaN or inf when the output holds non-finite values, or
+             when its squares overflow float32)
   sample     the values at `sample_indices(n)`: up to `SAMPLE_SIZE` evenly spaced flat indices,
              the same at every step (float32)
 
@@ -25,9 +27,10 @@ be carried out of the loop or branch): `sites.json` marks them `"recorded": fals
 On disk (`golden/site_stats/`, see `peat_jax.profiler.rundir`): `sites.json` (one entry per site
 of the train step: index, primitive, path, phase, output shape and dtype, the sample's size and
 offset, whether it is recorded) and one `<step>.npz` per statistics step (written by
-`np.savez_compressed`, no pickled objects), holding one array per statistic stacked over the
-recorded sites in index order, and `sample` (float32, all recorded sites' samples concatenated:
-site j's at `offset .. offset + sample_size` as `sites.json` says).
+`np.savez_compressed`, no pickled objects), holding the statistics stacked over the
+recorded sites in index order: `floats` float32 [S, 4] (absmax, mean, rms, zeros), `words`
+uint32 [S, 2] (nonfinite, checksum) and `sample` (float32, all recorded sites' samples
+concatenated: a site's at `offset .. offset + sample_size` as `sites.json` says).
 """
 from __future__ import annotations
 
@@ -45,9 +48,9 @@ from peat_jax.errors import PeatError
 from peat_jax.sites import Site, Traced, Tracer
 from peat_jax.substitute import Candidate, Substitution, fault_key, make_rules, resolve, run_rules
 
-__all__ = ["SAMPLE_SIZE", "STATISTICS", "SiteStats", "StatsSite", "StatsStep", "read_sites",
-           "read_step", "recorded_steps", "sample_indices", "site_stats", "write_sites",
-           "write_step"]
+__all__ = ["SAMPLE_SIZE", "STATISTICS", "SiteStats", "StatsSite", "StatsStep", "describe_sites",
+           "pack", "read_sites", "read_step", "recorded_steps", "reduce_iterations",
+           "sample_indices", "site_stats", "write_sites", "write_step"]
 
 SAMPLE_SIZE = 64
 """Elements of each site output kept as its fixed-index sample (fewer for smaller outputs)."""
@@ -135,22 +138,20 @@ def _bits32(flat: jax.Array) -> jax.Array:
 
 
 def site_stats(x: jax.Array, size: int = SAMPLE_SIZE) -> SiteStats:
-    """The `SiteStats` of one output `x` (jittable; a handful of fused reductions)."""
+    """The `SiteStats` of one output `x` (jittable). Four passes over `x` that XLA fuses (sum,
+    sum of squares, abs-max and zeros, checksum); the non-finite count takes a fifth pass only
+    when the sums are not finite."""
     flat = x.reshape(-1)
     n = flat.size
     v = flat.astype(jnp.float32)
-    finite = jnp.isfinite(v)
-    count = jnp.sum(finite, dtype=jnp.int32)
-    fin = jnp.where(finite, v, 0.0)
-    absmax = jnp.max(jnp.abs(fin))
-    denom = jnp.maximum(count, 1).astype(jnp.float32)
-    scale = jnp.where(absmax > 0, absmax, 1.0)  # RMS without overflowing the squares
-    rms = scale * jnp.sqrt(jnp.sum(jnp.square(fin / scale)) / denom)
+    total, squares = jnp.sum(v), jnp.sum(v * v)
+    nonfinite = lax.cond(jnp.isfinite(total) & jnp.isfinite(squares), lambda: jnp.int32(0),
+                         lambda: jnp.sum(~jnp.isfinite(v), dtype=jnp.int32))
     weights = jnp.arange(n, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
     checksum = jnp.sum(_bits32(flat) * weights, dtype=jnp.uint32)
-    return SiteStats(nonfinite=jnp.int32(n) - count, absmax=absmax, mean=jnp.sum(fin) / denom,
-                     rms=rms, zeros=jnp.mean((v == 0).astype(jnp.float32)), checksum=checksum,
-                     sample=v[jnp.asarray(sample_indices(n, size))])
+    return SiteStats(nonfinite=nonfinite, absmax=jnp.max(jnp.abs(v)), mean=total / n,
+                     rms=jnp.sqrt(squares / n), zeros=jnp.sum(jnp.where(v == 0, 1.0, 0.0)) / n,
+                     checksum=checksum, sample=v[jnp.asarray(sample_indices(n, size))])
 
 
 def reduce_iterations(stacked: SiteStats) -> SiteStats:
@@ -217,7 +218,7 @@ class StatsStep:
     place for every step.
 
     `plain(state, batch) -> (state, metrics)` and `with_stats(state, batch) -> (state, metrics,
-    {site index: SiteStats})` are jitted. Without a substitution `plain` is `jit(train_step)`
+    packed statistics)` (see `pack`) are jitted. Without a substitution `plain` is `jit(train_step)`
     itself; the statistics read the site outputs without changing what flows on, so both give
     bitwise the same state and metrics (tests/test_site_stats.py checks it).
     """
@@ -259,7 +260,23 @@ class StatsStep:
             if k is not None:
                 rules[s.index] = _stats_rule(base.get(s.index), k, self._size)
         (state, metrics), sides = run_rules(traced, rules, (state, batch), {}, with_sides=True)
-        return state, metrics, sides
+        return state, metrics, pack([sides[s.index] for s in traced.sites if s.index in sides])
+
+
+def pack(records: Sequence[SiteStats]) -> dict[str, jax.Array]:
+    """One step's records (recorded sites in index order) as the three arrays of a step file:
+    `floats` float32 [S, 4] (absmax, mean, rms, zeros), `words` uint32 [S, 2] (nonfinite,
+    checksum) and `sample` float32 (the samples concatenated). Jittable: three transfers to the
+    host instead of seven per site."""
+    if not records:
+        return {"floats": jnp.zeros((0, 4), jnp.float32), "words": jnp.zeros((0, 2), jnp.uint32),
+                "sample": jnp.zeros((0,), jnp.float32)}
+    floats = jnp.stack([jnp.stack([r.absmax, r.mean, r.rms, r.zeros]).astype(jnp.float32)
+                        for r in records])
+    words = jnp.stack([jnp.stack([r.nonfinite.astype(jnp.uint32), r.checksum])
+                       for r in records])
+    return {"floats": floats, "words": words,
+            "sample": jnp.concatenate([r.sample.astype(jnp.float32) for r in records])}
 
 
 def _stats_rule(base, k: int, size: int):
@@ -297,17 +314,12 @@ def read_sites(directory) -> list[StatsSite]:
                         "directory") from None
 
 
-def write_step(directory, step: int, sites: Sequence[StatsSite], stats: Mapping[int, Any]) -> None:
-    """Write `<step>.npz` (pickle-free) from the host copies of one step's `SiteStats` by site
-    index, stacked over the recorded sites of `sites` in index order."""
+def write_step(directory, step: int, packed: Mapping[str, Any]) -> None:
+    """Write `<step>.npz` (`np.savez_compressed`, pickle-free) from the host copy of one step's
+    `pack`ed statistics."""
     import os
     import tempfile
-    rec = [s for s in sites if s.recorded]
-    arrays = {name: np.asarray([np.asarray(getattr(stats[s.index], name)) for s in rec])
-              for name in STATISTICS}
-    arrays["index"] = np.asarray([s.index for s in rec], np.int32)
-    arrays["sample"] = (np.concatenate([np.asarray(stats[s.index].sample, np.float32)
-                                        for s in rec]) if rec else np.zeros((0,), np.float32))
+    arrays = {k: np.asarray(v) for k, v in packed.items()}
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{step}.", suffix=".npz")
     with os.fdopen(fd, "wb") as f:
@@ -323,12 +335,16 @@ def recorded_steps(directory) -> list[int]:
 
 
 def read_step(directory, step: int) -> dict[str, np.ndarray]:
-    """The arrays of `<step>.npz` (read with `allow_pickle=False`): one per statistic, `index`
-    and `sample`; a PeatError if the file is damaged."""
+    """The statistics of `<step>.npz` (read with `allow_pickle=False`): one array per name of
+    `STATISTICS` over the recorded sites in index order, and `sample`; a PeatError if the file
+    is damaged."""
     p = directory / f"{int(step)}.npz"
     try:
         with np.load(p, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except (OSError, ValueError, KeyError) as e:
+            floats, words, sample = z["floats"], z["words"], z["sample"]
+        return {"absmax": floats[:, 0], "mean": floats[:, 1], "rms": floats[:, 2],
+                "zeros": floats[:, 3], "nonfinite": words[:, 0].astype(np.int64),
+                "checksum": words[:, 1], "sample": sample}
+    except (OSError, ValueError, KeyError, IndexError) as e:
         raise PeatError(f"{p} cannot be read ({e}); it is damaged: profile the run again into "
                         "a new directory") from None
