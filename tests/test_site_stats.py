@@ -122,3 +122,14 @@ def test_profile_rejects_a_bad_stats_interval(tmp_path):
 def test_compare_needs_statistics(runs):
     with pytest.raises(peat.PeatError, match="stats_every"):
         peat.compare(runs["plain"], runs["ref"])
+
+
+def test_profile_cli_trains_with_a_fault_in_place(tmp_path, capsys):
+    run = tmp_path / "run"
+    rc = cli.main(["profile", "vision", "--out", str(run), "--steps", "2", "--checkpoint-every",
+                   "2", "--stats-every", "2", "--fault", "scale(1.5)", "--sites", "bwd:dot_general",
+                   "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["steps"] == 2
+    m = RunDir(run).manifest()
+    assert m["stats_every"] == 2 and m["substitution"][0]["selector"] == "'bwd:dot_general'"
+    assert recorded_steps(RunDir(run).site_stats) == [0]

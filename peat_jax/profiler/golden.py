@@ -287,9 +287,11 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
     steps, every = int(steps), int(checkpoint_every)
     stats_every = None if stats_every is None else int(stats_every)
     stepper = StatsStep(workload.train_step, substitution)
-    probe = (workload.init(jax.random.key(seed)), to_device(workload.batch(0)))
-    stats_sites = stepper.sites(*probe) if stats_every else None
-    record = substitution_record(substitution, stepper.traced(*probe)[0].sites)
+    stats_sites, record = None, None
+    if stats_every or substitution:  # trace the step once, on a fresh state and the first batch
+        probe = (workload.init(jax.random.key(seed)), to_device(workload.batch(0)))
+        stats_sites = stepper.sites(*probe) if stats_every else None
+        record = substitution_record(substitution, stepper.traced(*probe)[0].sites)
     rd = RunDir(run_dir, create=True)
     manifest = _manifest(workload, seed, steps, every, stats_every, record)
     identity = run_identity(manifest)
