@@ -11,7 +11,13 @@ playback_speedup: time of the default playback campaign of a 20-step run (checkp
 storage_ratio: bytes the campaign stored (its directory) over the bytes a dump of every site's
   operands and outputs at every replayed step would take (per-iteration tensors of sites inside
   `scan` counted once per iteration). Goal <= 0.01.
-
+stats_overhead_ratio: on the same language workload, the median time of the golden step with
+  site statistics at every site (its statistics fetched to the host) over the median time of the
+  plain jitted step, timed interleaved from the same state. Goal <= 1.5.
+stats_storage_ratio: bytes a 5-step run with `stats_every=1` stored under `golden/site_stats/`
+  over the bytes of a dump of the same site outputs at those steps (each site's recorded output,
+  per iteration inside `scan`). Goal < 0.01. The same two ratios on the tiny vision workload are
+  printed as `stats_overhead_ratio_vision` and `stats_storage_ratio_vision`.
 Prints one JSON object on one line; runs with no arguments in a few minutes on 2 CPU cores.
 """
 from __future__ import annotations
@@ -33,14 +39,55 @@ from peat_jax.analyzer import analyze
 from peat_jax.detector import detect
 from peat_jax.profiler.golden import profile, restore
 from peat_jax.profiler.playback import diagnose_effect, playback
+from peat_jax.profiler.rundir import RunDir
+from peat_jax.profiler.site_stats import StatsStep, read_sites
 
 
 def _bytes(shapes, dtypes) -> int:
     return sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in zip(shapes, dtypes))
 
 
+def stats_costs(name: str, steps: int = 10, reps: int = 30) -> dict:
+    """`stats_overhead_ratio` and `stats_storage_ratio` on workload `name` (see above)."""
+    wl = models.get(name)
+    stepper = StatsStep(wl.train_step)
+    state = wl.init(jax.random.key(0))
+    batch = jax.tree.map(jnp.asarray, wl.batch(0))
+
+    def plain():
+        jax.block_until_ready(stepper.plain(state, batch))
+
+    def with_stats():
+        out = stepper.with_stats(state, batch)
+        jax.device_get(out[2])
+        jax.block_until_ready(out[:2])
+
+    plain(), with_stats()  # compile both
+    t_plain, t_stats = [], []
+    for _ in range(reps):
+        for fn, times in ((plain, t_plain), (with_stats, t_stats)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = pathlib.Path(tmp) / "run"
+        profile(wl, run, steps=steps, checkpoint_every=steps, stats_every=1)
+        stats_dir = RunDir(run).site_stats
+        stored = sum(p.stat().st_size for p in stats_dir.rglob("*") if p.is_file())
+        dump = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize * s.repeats
+                   for s in read_sites(stats_dir) if s.recorded) * steps
+    return {"stats_overhead_ratio": round(float(np.median(t_stats) / np.median(t_plain)), 3),
+            "stats_step_ms": round(1e3 * float(np.median(t_stats)), 3),
+            "plain_step_ms": round(1e3 * float(np.median(t_plain)), 3),
+            "stats_storage_ratio": round(stored / dump, 6),
+            "stats_stored_bytes": stored, "stats_dump_bytes": dump}
+
+
 def main() -> None:
     logging.getLogger("absl").setLevel(logging.ERROR)
+    stats = stats_costs("language", steps=5, reps=20)
+    vision = stats_costs("vision")
+    stats.update({f"{k}_vision": vision[k] for k in ("stats_overhead_ratio", "stats_storage_ratio")})
     wl = models.get("language")
     with tempfile.TemporaryDirectory() as tmp:
         run = pathlib.Path(tmp) / "run"
@@ -94,6 +141,7 @@ def main() -> None:
         "stored_bytes": stored,
         "dump_bytes": dump,
         "workload": wl.name,
+        **stats,
         "jax": jax.__version__,
         "backend": jax.default_backend(),
     }))

@@ -16,7 +16,7 @@ from peat_jax.faults import Fault
 from peat_jax.kernels import Kernel
 from peat_jax.profiler import (GoldenRun, RuntimeResult, Workload, profile, register_workload,
                                registered_workloads)
-from peat_jax.profiler.compare import RunComparison, compare_runs
+from peat_jax.profiler.compare import Comparison, RunComparison, compare, compare_runs
 from peat_jax.profiler.nan_origin import NanOrigin
 from peat_jax.profiler.playback import CellTimeout, PlaybackResult, playback
 from peat_jax.profiler.runtime import runtime
@@ -29,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CellTimeout",
+    "Comparison",
     "Diagnosis",
     "Fault",
     "GoldenRun",
@@ -45,6 +46,7 @@ __all__ = [
     "analyze",
     "at_steps",
     "check_kernel",
+    "compare",
     "compare_runs",
     "detect",
     "enable_compilation_cache",

@@ -3,7 +3,10 @@
   peat demo [--out DIR]                        golden run, playback campaigns, runtime injection,
                                                a summary table and an HTML report
   peat sites TARGET                            the op sites of a train step (or any function)
-  peat profile TARGET --out DIR                the golden run (Orbax checkpoints, metrics)
+  peat profile TARGET --out DIR [--stats-every K] [--kernel K | --fault F [--sites S]]
+                                               the golden run (Orbax checkpoints, metrics, site
+                                               statistics; a candidate in place for the run)
+  peat compare RUN_A RUN_B                     first step and site where two runs part ways
   peat playback RUN_DIR (--kernel K | --fault F) [--sites SEL] [--checkpoints C,...]
   peat runtime RUN_DIR (--kernel K | --fault F) (--every N [--offset O] | --at-steps S,... |
                --probability P) [--steps N]
@@ -15,7 +18,8 @@ TARGET: a bundled workload name, or `module.path:attribute` naming a `peat.Workl
 zero-argument callable returning one (loaded only when named). KERNEL: a bundled kernel name
 (`peat check --help` lists them) or `module.path:attribute` (a `peat.Kernel` or a factory).
 FAULT: a call of a `peat.faults` constructor with literal arguments, e.g. "bit_flip(bit=30)".
-Exit status: 0 on success, 1 when a check or campaign finds a failing kernel, 2 on bad input.
+Exit status: 0 on success, 1 when a check or campaign finds a failing kernel (or `compare` a
+divergence beyond noise), 2 on bad input.
 """
 from __future__ import annotations
 
@@ -244,9 +248,15 @@ def _site_json(s: peat.Site) -> dict[str, Any]:
 def cmd_profile(args) -> int:
     wl = _workload(args.target)
     steps = args.steps or int(wl.config.get("steps", 100))
+    substitution = None
+    if args.kernel or args.fault:
+        substitution = {_selector(args.sites, "dot_general"): _candidate(args)}
+    elif args.sites:
+        raise PeatError("--sites selects where --kernel or --fault goes; give one of them")
     with _Progress(not args.json) as p:
         g = peat.profile(wl, args.out, steps=steps, checkpoint_every=args.checkpoint_every,
-                         seed=args.seed, progress=p.task("golden run"))
+                         seed=args.seed, stats_every=args.stats_every, substitution=substitution,
+                         progress=p.task("golden run"))
     out = {"run_dir": g.run_dir, "workload": g.workload, "steps": g.steps,
            "checkpoints": list(g.checkpoints), "loss": [g.losses[0], g.losses[-1]], "eval": g.eval,
            "resumed_from": g.resumed_from}
@@ -411,6 +421,28 @@ def _diag_json(d) -> dict:
             "evidence": d.evidence, "summary": d.summary}
 
 
+def cmd_compare(args) -> int:
+    from peat_jax.profiler.compare import save_comparison
+    c = peat.compare(args.run_a, args.run_b)
+    saved = save_comparison(c)
+    peat.report.write_report(args.run_a)
+    if args.json:
+        print(json.dumps(c.to_dict(), allow_nan=False))
+        return 1 if c.divergence else 0
+    from rich.table import Table
+    t = Table(title="environments")
+    for col in ("", args.run_a, args.run_b):
+        t.add_column(col)
+    for r in c.environments:
+        style = "bold yellow" if r.differs else ""
+        t.add_row(r.key, *(f"[{style}]{v}[/]" if style else str(v) for v in (r.a, r.b)))
+    _console().print(t)
+    colour = "red" if c.divergence else "green"
+    _say(args, f"[{colour}]{c.summary()}[/]")
+    _say(args, f"comparison: {saved}; report {args.run_a}/report.html")
+    return 1 if c.divergence else 0
+
+
 def cmd_report(args) -> int:
     path = peat.report.write_report(args.run_dir, args.output)
     print(json.dumps({"report": str(path)}) if args.json else f"report: {path}")
@@ -531,14 +563,25 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", required=True, help="run directory")
     pr.add_argument("--steps", type=_positive, help="training steps (default: the workload's)")
     pr.add_argument("--checkpoint-every", type=_positive, default=50)
-    common(pr)
-    pr.set_defaults(func=cmd_profile)
+    pr.add_argument("--stats-every", type=_positive, metavar="K",
+                    help="record site statistics every K steps (golden/site_stats/)")
 
-    def candidate(sp):
+    def candidate(sp, campaign=True):
         sp.add_argument("--kernel", help=f"bundled kernel ({', '.join(KERNELS)}) or module:attribute")
         sp.add_argument("--fault", help='a fault, e.g. "bit_flip(bit=30)" or "scale(2.0)"')
         sp.add_argument("--sites", help="site selector(s), comma-separated (default dot_general)")
-        sp.add_argument("--name", help="campaign name (default from the candidate)")
+        if campaign:
+            sp.add_argument("--name", help="campaign name (default from the candidate)")
+
+    candidate(pr, campaign=False)
+    common(pr)
+    pr.set_defaults(func=cmd_profile)
+
+    cp = sub.add_parser("compare", help="where two golden runs with site statistics part ways")
+    cp.add_argument("run_a", help="the reference run directory")
+    cp.add_argument("run_b", help="the run compared with it")
+    common(cp)
+    cp.set_defaults(func=cmd_compare)
 
     pb = sub.add_parser("playback", help="replay checkpointed steps with a candidate at each site")
     pb.add_argument("run_dir")

@@ -1,14 +1,46 @@
-"""Cross-backend comparison: two golden runs of the same workload, step by step."""
+"""Where two golden runs of the same workload part ways.
+
+`compare_runs` compares the per-step metrics (loss, ...). `compare` compares the recorded site
+statistics (`peat_jax.profiler.site_stats`) and localises the first step, and in it the first site
+in program order, whose output differs beyond noise, with the Analyzer's signature of the two
+recorded samples and the Detector's model. It reads only the two run directories.
+
+What "beyond noise" means here:
+  * a site whose statistics (checksum, sample, scalar statistics) are bitwise equal in both runs
+    does not differ (identical programs on XLA:CPU are bitwise reproducible);
+  * the first site that differs at all (the *first difference*) is where a difference enters: it
+    is diagnosed by `detect(analyze(sample_b, sample_a))`; `exact` / `numerical_noise` are noise,
+    any other model is the divergence;
+  * downstream of the first difference the inputs of every site already differ, so its noise
+    is the propagated one: a later site diverges when its difference is new non-finite values,
+    or larger than `PROPAGATED_RTOL` (relative RMS of the sample difference) and its diagnosis
+    fails.
+"""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
-from typing import Optional
+import re
+from typing import Any, NamedTuple, Optional
 
+import numpy as np
+
+from peat_jax.detector import Diagnosis
 from peat_jax.errors import PeatError
-from peat_jax.profiler.rundir import PathLike, RunDir
+from peat_jax.profiler.rundir import PathLike, RunDir, atomic_write_json
+from peat_jax.profiler.site_stats import STATISTICS, StatsSite, read_sites, read_step, recorded_steps
 
-__all__ = ["RunComparison", "compare_runs"]
+__all__ = ["PROPAGATED_RTOL", "Comparison", "EnvironmentRow", "Finding", "RunComparison",
+           "compare", "compare_runs", "read_comparisons", "save_comparison"]
+
+PROPAGATED_RTOL = 1e-3
+"""Relative RMS difference of a site's sample above which a difference downstream of the first
+one is no longer taken for propagated noise (it is then diagnosed)."""
+
+OUTSIDE_SAMPLE_RTOL = 1e-5
+"""When two samples are equal but the checksums differ, the largest relative difference of RMS
+and abs-max still called noise."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +76,16 @@ class RunComparison:
                 f"{va:.6g} vs {vb:.6g}")
 
 
+def _same_workload(ra: RunDir, rb: RunDir) -> tuple[dict, dict]:
+    """Both manifests, once they are known to describe runs of one workload, config and seed."""
+    ma, mb = ra.manifest(), rb.manifest()
+    for key in ("workload", "config", "seed"):
+        if ma.get(key) != mb.get(key):
+            raise PeatError(f"{ra.path} and {rb.path} are not runs of the same workload setup: "
+                            f"{key} differs ({ma.get(key)!r} vs {mb.get(key)!r})")
+    return ma, mb
+
+
 def _rel(a: float, b: float) -> float:
     if math.isnan(a) or math.isnan(b):
         return 0.0 if (math.isnan(a) and math.isnan(b)) else math.inf
@@ -59,11 +101,7 @@ def compare_runs(run_a: PathLike, run_b: PathLike, *, rtol: float = 1e-3) -> Run
     if not rtol >= 0:
         raise PeatError(f"rtol must be >= 0, got {rtol}")
     ra, rb = RunDir(run_a), RunDir(run_b)
-    ma, mb = ra.manifest(), rb.manifest()
-    for key in ("workload", "config", "seed"):
-        if ma.get(key) != mb.get(key):
-            raise PeatError(f"{ra.path} and {rb.path} are not runs of the same workload setup: "
-                            f"{key} differs ({ma.get(key)!r} vs {mb.get(key)!r})")
+    ma, mb = _same_workload(ra, rb)
     a, b = ra.golden_metrics(), rb.golden_metrics()
     steps = min(len(a), len(b))
     if steps == 0:
@@ -90,3 +128,288 @@ def compare_runs(run_a: PathLike, run_b: PathLike, *, rtol: float = 1e-3) -> Run
     return RunComparison(first[0] if first else None, first[1] if first else None,
                          first[2] if first else None, first_diff, worst, steps,
                          (backend(ma), backend(mb)))
+
+
+# --------------------------------------------------------------------------------------------
+# Site statistics: the first step and site where two runs part ways
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One (step, site) where run b's recorded statistics differ from run a's.
+
+    Attributes:
+      step: the training step.
+      site: the site, as the runs' `sites.json` describe it.
+      diagnosis: the Detector's verdict on run b's sample against run a's.
+      relative_difference: RMS of the sample difference over the RMS of run a's sample (or the
+        relative difference of the RMS / abs-max statistics, whichever is larger; inf when the
+        non-finite counts differ).
+    """
+
+    step: int
+    site: StatsSite
+    diagnosis: Diagnosis
+    relative_difference: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "site": _site_dict(self.site),
+                "diagnosis": _diagnosis_dict(self.diagnosis),
+                "relative_difference": _finite_or_none(self.relative_difference)}
+
+
+class EnvironmentRow(NamedTuple):
+    """One manifest entry of both runs, side by side."""
+
+    key: str      # dotted: "backend", "versions.jax", "environment.xla_flags", ...
+    a: Any        # run a's value (None where its manifest lacks it)
+    b: Any        # run b's value
+    differs: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Where two golden runs with site statistics part ways (`peat.compare`).
+
+    Attributes:
+      run_a, run_b: the run directories (run a is the reference).
+      steps: the statistics steps both runs recorded, compared in order.
+      sites: the recorded sites, in program (index) order.
+      divergence: the first (step, site) whose difference is beyond noise, or None.
+      first_difference: the first (step, site) whose statistics differ at all (noise included),
+        or None when every recorded statistic is bitwise equal.
+      environments: the two manifests' backend, device, versions and environment side by side.
+      grid: per recorded site (rows, as `sites`) and step (columns, as `steps`), the relative
+        difference (0.0: bitwise equal; inf: the non-finite counts differ).
+    """
+
+    run_a: str
+    run_b: str
+    steps: tuple[int, ...]
+    sites: tuple[StatsSite, ...]
+    divergence: Optional[Finding]
+    first_difference: Optional[Finding]
+    environments: tuple[EnvironmentRow, ...]
+    grid: tuple[tuple[float, ...], ...]
+
+    @property
+    def first_step(self) -> Optional[int]:
+        """The step of the divergence, or None."""
+        return None if self.divergence is None else self.divergence.step
+
+    @property
+    def first_site(self) -> Optional[StatsSite]:
+        """The site of the divergence, or None."""
+        return None if self.divergence is None else self.divergence.site
+
+    @property
+    def diagnosis(self) -> Optional[Diagnosis]:
+        """The diagnosis at the divergence; without one, at the first difference (noise); None
+        when nothing differs."""
+        found = self.divergence or self.first_difference
+        return None if found is None else found.diagnosis
+
+    def summary(self) -> str:
+        """One line (two when the first difference comes before the divergence)."""
+        n = f"{len(self.steps)} recorded step(s), {len(self.sites)} sites"
+        first = self.first_difference
+        if first is None:
+            return f"no difference: every site statistic is bitwise equal ({n})"
+        where = f"first bitwise difference at step {first.step}, site {first.site.label()}"
+        if self.divergence is None:
+            return (f"no divergence beyond noise ({n}); {where}: {first.diagnosis.model}")
+        d = self.divergence
+        line = f"step {d.step}, site {d.site.label()}: {d.diagnosis.summary}"
+        return line if d is first else f"{line}\n{where}: {first.diagnosis.model}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able: `first_step`, `first_site` (index, primitive, phase, path), `diagnosis`,
+        `first_difference`, `environments`, `steps`, `sites`, `grid` (null for a non-finite
+        difference), `summary`."""
+        return {"run_a": self.run_a, "run_b": self.run_b, "first_step": self.first_step,
+                "first_site": None if self.first_site is None else _site_dict(self.first_site),
+                "diagnosis": None if self.diagnosis is None else _diagnosis_dict(self.diagnosis),
+                "first_difference": (None if self.first_difference is None
+                                     else self.first_difference.to_dict()),
+                "divergence": None if self.divergence is None else self.divergence.to_dict(),
+                "environments": [r._asdict() for r in self.environments],
+                "steps": list(self.steps), "sites": [_site_dict(s) for s in self.sites],
+                "grid": [[_finite_or_none(v) for v in row] for row in self.grid],
+                "summary": self.summary()}
+
+
+def _site_dict(s: StatsSite) -> dict[str, Any]:
+    return {"index": s.index, "primitive": s.primitive, "phase": s.phase, "path": s.path}
+
+
+def _diagnosis_dict(d: Diagnosis) -> dict[str, Any]:
+    return dataclasses.asdict(d)
+
+
+def _finite_or_none(v: float) -> Optional[float]:
+    return float(v) if math.isfinite(v) else None
+
+
+_ENVIRONMENT_KEYS = ("backend", "device_kind", "device_count", "python", "versions",
+                     "environment", "substitution", "stats_every")
+
+
+def environments(ma: dict, mb: dict) -> tuple[EnvironmentRow, ...]:
+    """The manifests' environment entries side by side, nested objects flattened to dotted
+    keys (`versions.jax`, `environment.xla_flags`), each row marked whether it differs."""
+    fa, fb = _flatten({k: ma.get(k) for k in _ENVIRONMENT_KEYS}), \
+        _flatten({k: mb.get(k) for k in _ENVIRONMENT_KEYS})
+    keys = list(fa) + [k for k in fb if k not in fa]
+    return tuple(EnvironmentRow(key=k, a=fa.get(k), b=fb.get(k), differs=fa.get(k) != fb.get(k))
+                 for k in keys)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = json.dumps(v) if isinstance(v, list) else v
+    return out
+
+
+def _same_sites(ra: RunDir, rb: RunDir) -> list[StatsSite]:
+    sa, sb = read_sites(ra.site_stats), read_sites(rb.site_stats)
+    key = lambda s: (s.index, s.primitive, s.phase, s.path, s.shape, s.dtype, s.recorded)  # noqa: E731
+    if [key(s) for s in sa] != [key(s) for s in sb]:
+        diff = next((x, y) for x, y in zip(sa + [None], sb + [None]) if x is None or y is None
+                    or key(x) != key(y))
+        raise PeatError(f"{ra.path} and {rb.path} recorded different sites (first: "
+                        f"{diff[0] and diff[0].label()} vs {diff[1] and diff[1].label()}): they "
+                        "are not runs of the same train step")
+    return sa
+
+
+def compare(run_a: PathLike, run_b: PathLike) -> Comparison:
+    """Where golden run `run_b` departs from golden run `run_a` (the reference), from their
+    recorded site statistics (both profiled with `stats_every`; same workload, config and seed;
+    backend, device, versions, flags, precision or a substitution may differ).
+
+    Walks the statistics steps both runs recorded, and in each the sites in program order; the
+    first (step, site) whose difference is beyond noise (see the module docstring) is the
+    divergence, diagnosed by the Detector on the two recorded samples. Reads only the two run
+    directories: no workload is rebuilt.
+
+    Returns:
+      A `Comparison`.
+
+    Raises:
+      PeatError: runs of different workloads, no common statistics step, different sites.
+    """
+    ra, rb = RunDir(run_a), RunDir(run_b)
+    ma, mb = _same_workload(ra, rb)
+    sites = [s for s in _same_sites(ra, rb) if s.recorded]
+    steps = sorted(set(recorded_steps(ra.site_stats)) & set(recorded_steps(rb.site_stats)))
+    if not steps:
+        raise PeatError(f"{ra.path} and {rb.path} have no statistics step in common; profile "
+                        "both with the same stats_every")
+    grid = np.zeros((len(sites), len(steps)))
+    first = divergence = None
+    for col, step in enumerate(steps):
+        a, b = read_step(ra.site_stats, step), read_step(rb.site_stats, step)
+        for row, site in enumerate(sites):
+            same, rel = _difference(site, row, a, b)
+            grid[row, col] = rel
+            if same or divergence is not None:
+                continue
+            if first is not None and not _beyond_propagated_noise(site, row, a, b, rel):
+                continue
+            found = Finding(step=step, site=site, diagnosis=_diagnose(site, row, a, b, rel),
+                            relative_difference=rel)
+            first = first or found
+            if not found.diagnosis.passed:
+                divergence = found
+    return Comparison(run_a=str(ra.path), run_b=str(rb.path), steps=tuple(steps),
+                      sites=tuple(sites), divergence=divergence, first_difference=first,
+                      environments=environments(ma, mb),
+                      grid=tuple(tuple(float(v) for v in r) for r in grid))
+
+
+def _sample(site: StatsSite, arrays: dict) -> np.ndarray:
+    return arrays["sample"][site.offset:site.offset + site.sample_size]
+
+
+def _difference(site: StatsSite, row: int, a: dict, b: dict) -> tuple[bool, float]:
+    """(bitwise equal?, relative difference) of one site's statistics in the two runs."""
+    sa, sb = _sample(site, a), _sample(site, b)
+    same = sa.tobytes() == sb.tobytes() and all(
+        a[k][row].tobytes() == b[k][row].tobytes() for k in STATISTICS)
+    if same:
+        return True, 0.0
+    if a["nonfinite"][row] != b["nonfinite"][row]:
+        return False, math.inf
+    fa, fb = sa.astype(np.float64), sb.astype(np.float64)
+    both = np.isfinite(fa) & np.isfinite(fb)
+    rms_a = float(np.sqrt(np.mean(np.square(fa[both])))) if both.any() else 0.0
+    diff = float(np.sqrt(np.mean(np.square(fb[both] - fa[both])))) if both.any() else 0.0
+    rel = [diff / rms_a if rms_a > 0 else (0.0 if diff == 0 else math.inf)]
+    for k in ("rms", "absmax"):
+        x, y = float(a[k][row]), float(b[k][row])
+        rel.append(abs(y - x) / abs(x) if x != 0 else (0.0 if y == 0 else math.inf))
+    return False, max(rel)
+
+
+def _beyond_propagated_noise(site: StatsSite, row: int, a: dict, b: dict, rel: float) -> bool:
+    """Downstream of the first difference: whether this site's difference is more than
+    propagated noise could be (new non-finite values, or larger than `PROPAGATED_RTOL`)."""
+    return bool(a["nonfinite"][row] != b["nonfinite"][row]) or rel > PROPAGATED_RTOL
+
+
+def _diagnose(site: StatsSite, row: int, a: dict, b: dict, rel: float) -> Diagnosis:
+    """The Detector's verdict on run b's sample of `site` against run a's; where the samples
+    are equal (the difference lies outside them), a verdict from the scalar statistics."""
+    from peat_jax.analyzer import analyze
+    from peat_jax.detector import detect
+    import jax.numpy as jnp
+    na, nb = int(a["nonfinite"][row]), int(b["nonfinite"][row])
+    sa, sb = _sample(site, a), _sample(site, b)
+    if sa.tobytes() != sb.tobytes():
+        dtype = jnp.dtype(site.dtype)
+        return detect(analyze(np.asarray(sb).astype(dtype), np.asarray(sa).astype(dtype),
+                              reduction_length=site.reduction_length))
+    evidence = {"outside_sample": True, "relative_difference": _finite_or_none(rel),
+                "nonfinite": [na, nb]}
+    if nb > na:
+        return Diagnosis("nan_inf", False, 1.0, evidence,
+                         f"fails: nan_inf, {nb} non-finite values where the reference has {na} "
+                         "(outside the recorded sample)")
+    if rel <= OUTSIDE_SAMPLE_RTOL:
+        return Diagnosis("numerical_noise", True, 0.5, evidence,
+                         f"passes: numerical_noise, the sample is equal and RMS / abs-max differ "
+                         f"by {rel:.2g} relative (outside the recorded sample)")
+    return Diagnosis("unknown", False, 0.5, evidence,
+                     f"fails: unknown, the sample is equal but RMS / abs-max differ by {rel:.2g} "
+                     "relative (outside the recorded sample)")
+
+
+# --------------------------------------------------------------------------------------------
+# Kept with the reference run, for its report
+
+def _comparison_name(run_b: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(run_b).rstrip("/").split("/")[-1]) or "run"
+    return name.lstrip(".") or "run"
+
+
+def save_comparison(comparison: Comparison) -> str:
+    """Write `comparison.to_dict()` to `<run_a>/comparisons/<name of run_b>.json` (read by the
+    report); returns the path."""
+    path = RunDir(comparison.run_a).path / "comparisons" / f"{_comparison_name(comparison.run_b)}.json"
+    atomic_write_json(path, comparison.to_dict())
+    return str(path)
+
+
+def read_comparisons(run_dir: PathLike) -> dict[str, dict]:
+    """The comparisons saved in `run_dir/comparisons/`, by name (damaged files skipped)."""
+    root = RunDir(run_dir).path / "comparisons"
+    out = {}
+    for p in sorted(root.glob("*.json")) if root.exists() else []:
+        try:
+            out[p.stem] = json.loads(p.read_text())
+        except ValueError:
+            continue
+    return out

@@ -17,6 +17,7 @@ from peat_jax.errors import PeatError
 from peat_jax.profiler.hostio import quiet, to_device
 from peat_jax.profiler.rundir import (FORMAT, PathLike, RunDir, append_jsonl, atomic_write_json,
                                       environment, rewrite_jsonl, run_identity)
+from peat_jax.profiler.site_stats import StatsStep, write_sites, write_step
 from peat_jax.profiler.workload import Workload, workload_factory
 
 __all__ = ["GoldenRun", "checkpoint_steps", "load_workload", "profile", "restore", "scalar_metrics",
@@ -216,15 +217,28 @@ def _record_digest(rd: RunDir, identity: dict, step: int, state) -> None:
     rd.write_checkpoint_record(record)
 
 
-def _manifest(wl: Workload, seed: int, steps: int, every: int) -> dict:
+def _manifest(wl: Workload, seed: int, steps: int, every: int, stats_every: Optional[int],
+              substitution: Optional[list]) -> dict:
     return {"format": FORMAT, "workload": wl.name, "config": _json_config(wl.config),
             "seed": int(seed), "steps": int(steps), "checkpoint_every": int(every),
+            "stats_every": stats_every, "substitution": substitution,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             **environment()}
 
 
+def substitution_record(substitution, sites) -> Optional[list]:
+    """The manifest's account of a run's substitution: one entry per selector, with the
+    candidate's name and the site indices it was put at; None for no substitution."""
+    if not substitution:
+        return None
+    from peat_jax.sites import select
+    return [{"selector": repr(sel), "candidate": getattr(cand, "name", repr(cand)),
+             "sites": [s.index for s in select(sites, sel)]}
+            for sel, cand in substitution.items()]
+
+
 def _same_run(old: dict, new: dict) -> Optional[str]:
-    for key in ("workload", "config", "seed", "checkpoint_every"):
+    for key in ("workload", "config", "seed", "checkpoint_every", "stats_every", "substitution"):
         if old.get(key) != new.get(key):
             return f"{key} differs (on disk: {old.get(key)!r}, asked: {new.get(key)!r})"
     return None
@@ -236,8 +250,19 @@ def scalar_metrics(metrics) -> dict[str, float]:
 
 
 def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_every: int,
-            seed: int = 0, progress: Progress = None) -> GoldenRun:
+            seed: int = 0, stats_every: Optional[int] = None, substitution=None,
+            progress: Progress = None) -> GoldenRun:
     """Run the golden training of `workload` into `run_dir`.
+
+    With `stats_every=K`, every K-th step (0, K, 2K, ...) runs with site statistics: for every
+    site output, forward and backward, a compact `SiteStats` record computed on the device in
+    the same jitted step (see `peat_jax.profiler.site_stats`), written to
+    `golden/site_stats/<step>.npz`; the steps in between run the plain step, and the trajectory
+    is bitwise the one without statistics. `peat.compare` reads them.
+
+    With `substitution={selector: kernel or fault}` the candidate replaces the op at its sites
+    for the whole run (a golden-style run "trained with my kernel"); the manifest records the
+    substitution, and comparing the run with a reference run shows where it departs.
 
     Saves an Orbax checkpoint of the full train state before steps 0, K, 2K, ... and after the
     last step, appends each step's scalar metrics to `golden/metrics.jsonl`, writes
@@ -256,9 +281,19 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
     for name, v in (("steps", steps), ("checkpoint_every", checkpoint_every)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
             raise PeatError(f"{name} must be a positive int, got {v!r}")
+    if stats_every is not None and (isinstance(stats_every, bool) or not isinstance(
+            stats_every, (int, np.integer)) or stats_every <= 0):
+        raise PeatError(f"stats_every must be a positive int or None, got {stats_every!r}")
     steps, every = int(steps), int(checkpoint_every)
+    stats_every = None if stats_every is None else int(stats_every)
+    stepper = StatsStep(workload.train_step, substitution)
+    stats_sites, record = None, None
+    if stats_every or substitution:  # trace the step once, on a fresh state and the first batch
+        probe = (workload.init(jax.random.key(seed)), to_device(workload.batch(0)))
+        stats_sites = stepper.sites(*probe) if stats_every else None
+        record = substitution_record(substitution, stepper.traced(*probe)[0].sites)
     rd = RunDir(run_dir, create=True)
-    manifest = _manifest(workload, seed, steps, every)
+    manifest = _manifest(workload, seed, steps, every, stats_every, record)
     identity = run_identity(manifest)
     resumed_from = None
     if not rd.has_manifest() and (rd.metrics_path.exists() or rd.checkpoint_record_path.exists()
@@ -280,7 +315,8 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
         if done:
             resumed_from = max(done)
     wanted = checkpoint_steps(steps, every)
-    train_step = jax.jit(workload.train_step)
+    if stats_every:
+        write_sites(rd.site_stats, stats_sites)
     with quiet():
         mgr = _manager(rd)
         try:
@@ -300,7 +336,18 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
                 mgr.save(start, args=ocp.args.StandardSave(state))
             pending = []
             for i in range(start, steps):
-                state, metrics = train_step(state, to_device(workload.batch(i)))
+                batch = to_device(workload.batch(i))
+                if stats_every and i % stats_every == 0:
+                    state, metrics, stats = stepper.with_stats(state, batch)
+                    stats = jax.device_get(stats)
+                    if len(stats["words"]) != sum(s.recorded for s in stats_sites):
+                        raise PeatError(f"site statistics of {len(stats['words'])} sites came out "
+                                        f"of the step, {len(stats_sites)} were expected: a "
+                                        "container the statistics cannot pass through; please "
+                                        "report it")
+                    write_step(rd.site_stats, i, stats)
+                else:
+                    state, metrics = stepper.plain(state, batch)
                 pending.append({"step": i, **scalar_metrics(metrics)})
                 if (i + 1) in wanted:
                     append_jsonl(rd.metrics_path, pending)

@@ -9,6 +9,8 @@ Layout:
                                damaged checkpoint or a manifest from another run is an error, not
                                silently different numbers
   golden/eval.json             held-out metrics of the final golden state
+  golden/site_stats/           per-site statistics (profile(stats_every=K)): sites.json and one
+                               pickle-free <step>.npz per statistics step (see site_stats.py)
   campaigns/<name>/...         playback and runtime results; while a named runtime run is
                                unfinished, runtime.partial.json (its spec and progress) and
                                runtime-state/<step>/ (Orbax checkpoints of its injected state at
@@ -153,7 +155,8 @@ def run_identity(manifest: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def environment() -> dict[str, Any]:
-    """Versions, backend and device kind, for the manifest."""
+    """Versions, backend, device kind and an `environment` object (default matmul precision,
+    XLA_FLAGS, x64; CUDA and cuDNN wheel versions on a GPU), for the manifest."""
     import importlib.metadata as md
 
     def version(pkg: str) -> Optional[str]:
@@ -162,7 +165,14 @@ def environment() -> dict[str, Any]:
         except md.PackageNotFoundError:
             return None
 
+    import os
     dev = jax.devices()[0]
+    env = {"default_matmul_precision": str(jax.config.jax_default_matmul_precision),
+           "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "x64": bool(jax.config.jax_enable_x64)}
+    if jax.default_backend() == "gpu":
+        env.update({k: version(p) for k, p in (("cuda", "nvidia-cuda-runtime-cu12"),
+                                               ("cudnn", "nvidia-cudnn-cu12"))})
     return {
         "versions": {p: version(p) for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint",
                                              "numpy", "peat_jax")},
@@ -170,6 +180,7 @@ def environment() -> dict[str, Any]:
         "backend": jax.default_backend(),
         "device_kind": getattr(dev, "device_kind", str(dev)),
         "device_count": jax.device_count(),
+        "environment": env,
     }
 
 
@@ -195,6 +206,7 @@ class RunDir:
     metrics_path = property(lambda self: self.path / "golden" / "metrics.jsonl")
     eval_path = property(lambda self: self.path / "golden" / "eval.json")
     checkpoint_record_path = property(lambda self: self.path / "golden" / "checkpoints.json")
+    site_stats = property(lambda self: self.path / "golden" / "site_stats")
 
     def campaign(self, name: str) -> pathlib.Path:
         if not name or "/" in name or name.startswith("."):

@@ -3,7 +3,9 @@
 Sections: the run manifest; the golden loss curve; for each playback campaign a site x checkpoint
 grid coloured by the local diagnosis, and for its failing cells the ULP-distance histogram, the
 differing-bit histogram, the error-mask image and the evidence; for each runtime campaign the loss
-curves golden vs injected with the fired steps marked. Every user-provided string is escaped.
+curves golden vs injected with the fired steps marked; for each comparison saved by `peat compare`
+(`comparisons/<run>.json`) the environments side by side and a site x step heat map of how far
+the other run's site outputs are from this run's. Every user-provided string is escaped.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any, Optional
 
 from peat_jax import taxonomy
 from peat_jax.errors import PeatError
+from peat_jax.profiler.compare import PROPAGATED_RTOL, read_comparisons
 from peat_jax.profiler.nan_origin import NanOrigin
 from peat_jax.profiler.rundir import PathLike, RunDir, read_jsonl
 from peat_jax.report.plots import bar_chart, line_chart, mask_image
@@ -25,7 +28,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:24px;color:#
 h1{font-size:22px}h2{font-size:18px;margin-top:32px;border-bottom:1px solid #ddd}h3{font-size:15px}
 table{border-collapse:collapse;margin:8px 0;font-size:13px}td,th{border:1px solid #ddd;padding:3px 6px}
 th{background:#f5f5f5;text-align:left}.grid td{text-align:center;min-width:70px;color:#fff;font-size:11px}
-.grid td.none{background:#bbb}.pass{color:#2e7d32;font-weight:600}.fail{color:#c62828;font-weight:600}
+.grid td.none{background:#bbb}.heat td{min-width:10px;height:12px;padding:0}.pass{color:#2e7d32;font-weight:600}.fail{color:#c62828;font-weight:600}
 .plot{margin:6px 12px 6px 0;border:1px solid #eee;background:#fff}
 .plots{display:flex;flex-wrap:wrap;align-items:flex-start;margin-top:6px}.cell{margin:16px 0;padding:8px;
 border-left:4px solid #c62828;background:#fafafa}code{font-size:12px}.muted{color:#777}
@@ -150,6 +153,53 @@ def _runtime_section(name: str, res: dict) -> str:
             + _table([(k, v) for k, v in (res.get("evidence") or {}).items()]))
 
 
+def _difference_colour(rel: Optional[float]) -> str:
+    """Heat-map colour of a relative difference: the taxonomy's `exact` green for 0, its
+    `numerical_noise` green up to `PROPAGATED_RTOL`, amber beyond, red when non-finite (None)."""
+    if rel is None:
+        return taxonomy.colour("nan_inf", False)
+    if rel == 0:
+        return taxonomy.colour("exact", True)
+    if rel <= PROPAGATED_RTOL:
+        return taxonomy.colour("numerical_noise", True)
+    return taxonomy.colour("reduced_precision", False)
+
+
+def _comparison_section(name: str, c: dict) -> str:
+    def env_row(r: dict) -> str:
+        cls = " class='fail'" if r.get("differs") else ""
+        return (f"<tr><th>{_e(r['key'])}</th><td{cls}>{_e(r.get('a'))}</td>"
+                f"<td{cls}>{_e(r.get('b'))}</td></tr>")
+
+    env_rows = "".join(env_row(r) for r in c.get("environments", []))
+    steps, sites, grid = c.get("steps", []), c.get("sites", []), c.get("grid", [])
+    marks = {}
+    for key, label in (("first_difference", "first difference"), ("divergence", "divergence")):
+        f = c.get(key)
+        if f:
+            marks[(f["step"], f["site"]["index"])] = label
+    head = "".join(f"<th>{_e(s)}</th>" for s in steps)
+    rows = []
+    for site, values in zip(sites, grid):
+        cells = []
+        for step, rel in zip(steps, values):
+            mark = marks.get((step, site["index"]))
+            tip = f"step {step}: " + ("non-finite" if rel is None else f"{rel:.3g} relative")
+            tip += f" ({mark})" if mark else ""
+            cells.append(f'<td style="background:{_difference_colour(rel)}" title="{_e(tip)}">'
+                         f"{'&#9679;' if mark else ''}</td>")
+        rows.append(f"<tr><th>#{_e(site['index'])} {_e(site['phase'])} {_e(site['primitive'])} "
+                    f"<span class='muted'>{_e(site['path'])}</span></th>{''.join(cells)}</tr>")
+    return (f'<h2 id="compare-{_e(name)}">Comparison with {_e(c.get("run_b"))}</h2>'
+            f"<p>{_e(c.get('summary', ''))}</p>"
+            f"<table><tr><th></th><th>this run</th><th>{_e(name)}</th></tr>{env_rows}</table>"
+            "<p>Per site (rows, program order) and recorded step (columns): the relative "
+            "difference of the other run's site output from this run's (dark green: bitwise "
+            f"equal; light green: up to {PROPAGATED_RTOL:g}; amber: beyond; red: non-finite "
+            "counts differ; &#9679;: the first difference and the divergence).</p>"
+            f'<table class="grid heat"><tr><th>site \\ step</th>{head}</tr>{"".join(rows)}</table>')
+
+
 def render_report(run_dir: PathLike) -> str:
     """The report of `run_dir` as an HTML string."""
     rd = RunDir(run_dir)
@@ -180,6 +230,8 @@ def render_report(run_dir: PathLike) -> str:
                 parts.append(_runtime_section(camp.name, json.loads(rt.read_text())))
             except ValueError:
                 parts.append(f"<p class='fail'>{_e(rt)} is damaged</p>")
+    for name, comparison in read_comparisons(rd.path).items():
+        parts.append(_comparison_section(name, comparison))
     parts.append("</body></html>")
     return "".join(parts)
 

@@ -1,0 +1,135 @@
+"""Site statistics in the golden run, training with a candidate in place, and `peat.compare`:
+where two runs part ways. Real differences only: a fault or a kernel substituted for the run."""
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import peat_jax as peat
+from peat_jax import cli, models
+from peat_jax.profiler.golden import profile, restore
+from peat_jax.profiler.rundir import RunDir
+from peat_jax.profiler.site_stats import read_sites, recorded_steps
+
+from conftest import bitwise_equal
+
+STEPS = 3
+
+
+def _wl():
+    return models.get("vision", batch_size=16, width=8, hidden=32)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{name: run dir}: plain (no stats), ref and again (stats every step), scaled (a fault at
+    one backward dot_general), pallas (the Pallas matmul at every dot_general)."""
+    root = tmp_path_factory.mktemp("stats")
+    wl = _wl()
+    out = {name: root / name for name in ("plain", "ref", "again", "scaled", "pallas")}
+    profile(wl, out["plain"], steps=STEPS, checkpoint_every=STEPS)
+    profile(wl, out["ref"], steps=STEPS, checkpoint_every=STEPS, stats_every=1)
+    profile(wl, out["again"], steps=STEPS, checkpoint_every=STEPS, stats_every=1)
+    profile(wl, out["scaled"], steps=STEPS, checkpoint_every=STEPS, stats_every=1,
+            substitution={_bwd_gemm(wl).index: peat.faults.scale(1.5)})
+    profile(wl, out["pallas"], steps=STEPS, checkpoint_every=STEPS, stats_every=1,
+            substitution={"dot_general": peat.kernels.pallas_matmul()})
+    return out
+
+
+def _bwd_gemm(wl) -> peat.Site:
+    """The second backward dot_general of the train step."""
+    state = wl.init(jax.random.key(0))
+    batch = jax.tree.map(jax.numpy.asarray, wl.batch(0))
+    sites = peat.list_sites(wl.train_step, state, batch)
+    return [s for s in sites if s.primitive == "dot_general" and s.phase == "bwd"][1]
+
+
+def test_stats_leave_the_trajectory_bitwise_unchanged(runs):
+    plain, ref = RunDir(runs["plain"]), RunDir(runs["ref"])
+    assert plain.golden_losses() == ref.golden_losses()
+    assert bitwise_equal(restore(runs["plain"], STEPS), restore(runs["ref"], STEPS))
+
+
+def test_stats_files_are_pickle_free_and_complete(runs):
+    rd = RunDir(runs["ref"])
+    assert recorded_steps(rd.site_stats) == list(range(STEPS))
+    sites = read_sites(rd.site_stats)
+    recorded = [s for s in sites if s.recorded]
+    assert len(recorded) == len(sites) > 30
+    with np.load(rd.site_stats / "0.npz", allow_pickle=False) as z:
+        assert z["floats"].shape == (len(recorded), 4)
+        assert z["words"].shape == (len(recorded), 2) and z["words"].dtype == np.uint32
+        assert z["sample"].size == sum(s.sample_size for s in recorded)
+    assert {s.phase for s in sites} == {"fwd", "bwd"}
+    assert not RunDir(runs["plain"]).site_stats.exists()
+
+
+def test_identical_runs_do_not_differ(runs):
+    c = peat.compare(runs["ref"], runs["again"])
+    assert c.first_step is None and c.first_site is None and c.first_difference is None
+    assert c.diagnosis is None
+    assert np.all(np.asarray(c.grid) == 0)
+    assert "no difference" in c.summary()
+
+
+def test_a_fault_at_one_backward_gemm_is_localised(runs):
+    site = _bwd_gemm(_wl())
+    c = peat.compare(runs["ref"], runs["scaled"])
+    assert c.first_step == 0
+    assert (c.first_site.index, c.first_site.phase, c.first_site.primitive) == \
+        (site.index, "bwd", "dot_general")
+    assert c.diagnosis.model == "wrong_scale" and not c.diagnosis.passed
+    assert c.first_difference is c.divergence
+    sub = RunDir(runs["scaled"]).manifest()["substitution"]
+    assert sub == [{"selector": repr(site.index), "candidate": peat.faults.scale(1.5).name,
+                   "sites": [site.index]}]
+    differs = {r.key for r in c.environments if r.differs}
+    assert differs == {"substitution"}
+
+
+def test_the_pallas_matmul_everywhere_is_noise(runs):
+    c = peat.compare(runs["ref"], runs["pallas"])
+    assert c.first_step is None and c.divergence is None
+    first = c.first_difference
+    assert first is not None and first.step == 0
+    assert first.site.primitive == "dot_general" and first.site.phase == "fwd"
+    assert first.diagnosis.model in ("numerical_noise",) and c.diagnosis is first.diagnosis
+    assert "no divergence beyond noise" in c.summary()
+
+
+def test_compare_cli_json_and_report(runs, capsys):
+    rc = cli.main(["compare", str(runs["ref"]), str(runs["scaled"]), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 1
+    assert out["first_step"] == 0
+    assert set(out["first_site"]) == {"index", "primitive", "phase", "path"}
+    assert out["first_site"]["phase"] == "bwd" and out["diagnosis"]["model"] == "wrong_scale"
+    assert {"environments", "first_difference", "grid", "steps", "sites"} <= set(out)
+    html = (runs["ref"] / "report.html").read_text()
+    assert "Comparison with" in html and 'class="grid heat"' in html
+    assert cli.main(["compare", str(runs["ref"]), str(runs["again"]), "--json"]) == 0
+
+
+def test_profile_rejects_a_bad_stats_interval(tmp_path):
+    with pytest.raises(peat.PeatError, match="stats_every"):
+        profile(_wl(), tmp_path / "r", steps=2, checkpoint_every=1, stats_every=0)
+
+
+def test_compare_needs_statistics(runs):
+    with pytest.raises(peat.PeatError, match="stats_every"):
+        peat.compare(runs["plain"], runs["ref"])
+
+
+def test_profile_cli_trains_with_a_fault_in_place(tmp_path, capsys):
+    run = tmp_path / "run"
+    rc = cli.main(["profile", "vision", "--out", str(run), "--steps", "2", "--checkpoint-every",
+                   "2", "--stats-every", "2", "--fault", "scale(1.5)", "--sites", "bwd:dot_general",
+                   "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["steps"] == 2
+    m = RunDir(run).manifest()
+    assert m["stats_every"] == 2 and m["substitution"][0]["selector"] == "'bwd:dot_general'"
+    assert recorded_steps(RunDir(run).site_stats) == [0]
