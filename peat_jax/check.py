@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax.analyzer import analyze
-from peat_jax.detector import Diagnosis, detect, severity
+from peat_jax.detector import Diagnosis, detect, narrowed, severity
 from peat_jax.errors import PeatError
 from peat_jax.formats import float_format
+from peat_jax.precision import at_matmul_precision, matmul_precision
 
 __all__ = ["REFERENCE_SPREAD_FACTOR", "VARIANTS", "check_kernel", "make_variant"]
 
@@ -163,6 +164,19 @@ def _cotangent(out, key):
     return jax.tree_util.tree_unflatten(treedef, cts)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pinned:
+    """A reference traced, forward and backward, at one matmul precision (`_vjp` keeps the
+    precision for the backward pass too: a custom VJP's backward is traced there)."""
+
+    fn: Callable
+    precision: str
+
+    def __call__(self, *args):
+        with at_matmul_precision(self.precision):
+            return self.fn(*args)
+
+
 def _vjp(fn: Callable, args: tuple, positions: Sequence[int], ct):
     """Gradients of <fn(*args), ct> with respect to args[i] for i in positions."""
     def f(*diff):
@@ -171,8 +185,9 @@ def _vjp(fn: Callable, args: tuple, positions: Sequence[int], ct):
             full[i] = d
         return fn(*full)
 
-    out, pullback = jax.vjp(f, *[args[i] for i in positions])
-    return out, pullback(ct)
+    with at_matmul_precision(fn.precision if isinstance(fn, _Pinned) else None):
+        out, pullback = jax.vjp(f, *[args[i] for i in positions])
+        return out, pullback(ct)
 
 
 def _grad_names(positions: Sequence[int]) -> list[str]:
@@ -424,12 +439,22 @@ def _check_key(c: _Check) -> tuple:
     return (failing, rank, c.output == "forward", ratio)
 
 
+def _narrowest_formats(checks: Sequence[_Check]) -> tuple[str, ...]:
+    """The narrow formats every failing ``reduced_precision`` check fits (each check's own
+    values rule formats out by their exponent range: float16 cannot hold the "large" inputs)."""
+    sets = [set(c.diagnosis.evidence.get("formats") or ()) for c in checks
+            if c.diagnosis.model == "reduced_precision" and not c.diagnosis.passed]
+    sets = [x for x in sets if x]
+    return tuple(set.intersection(*sets)) if sets else ()
+
+
 def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
-             spread: dict[tuple[str, str], _Spread]) -> Diagnosis:
+             spread: dict[tuple[str, str], _Spread], precision: str) -> Diagnosis:
     """The worst check's diagnosis, its evidence extended with where it came from, every
-    check's model, the skipped variants and the reference's nondeterminism."""
+    check's model, the skipped variants, the reference's matmul precision and its
+    nondeterminism."""
     worst = max(checks, key=_check_key)
-    d = worst.diagnosis
+    d = narrowed(worst.diagnosis, _narrowest_formats(checks))
     failing = [c for c in checks if not c.diagnosis.passed]
     ev = dict(d.evidence)
     note = ""
@@ -439,6 +464,9 @@ def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
         note = (f"; note: the reference itself is nondeterministic (run-to-run max |diff| up to "
                 f"{max(s.reference for s in spread.values()):.3g})")
     ev["origin"] = {"variant": worst.variant, "output": worst.output}
+    ev["reference_precision"] = precision
+    if d.model in ("reduced_precision", "low_precision_accumulation"):
+        note = f"; reference at matmul precision {precision!r}" + note
     ev["checks"] = [[c.variant, c.output, c.diagnosis.model] for c in checks]
     if skipped:
         ev["skipped"] = skipped
@@ -506,7 +534,7 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
                  variants: Union[None, str, Sequence[str]] = None, seed: int = 0,
                  backward: bool = True, atol: Optional[float] = None,
                  rtol: Optional[float] = None, reduction_length: Optional[int] = None,
-                 noise_factor: float = 4.0) -> Diagnosis:
+                 noise_factor: float = 4.0, reference_precision: Any = "highest") -> Diagnosis:
     """Check `candidate` against `reference` (plain callables with the same signature).
 
     For every input variant (`make_variant`): both run on the same inputs; the outputs are
@@ -536,11 +564,20 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
         are treated as equal to the golden before the analysis (an escape hatch for known,
         accepted differences).
       reduction_length, noise_factor: passed to `analyze` (the dtype bound's K; F).
+      reference_precision: the matmul precision the reference (and its float64 evaluation) is
+        traced at, forward and backward: "highest" (default: full float32, so a kernel that
+        claims float32 is held to float32; on GPUs XLA would otherwise compute float32 dots in
+        TF32), "high", "default" (what the program would do), jax's other names for them
+        ("float32", "tensorfloat32", "bfloat16") or a `jax.lax.Precision`. The candidate runs
+        as written.
 
     Returns:
       The worst `Diagnosis` over all checks. ``evidence["origin"]`` is ``{"variant": ...,
       "output": "forward" | "grad[i]" | "repeat forward" | ...}``; ``evidence["checks"]`` lists
-      every check as ``[variant, output, model]``.
+      every check as ``[variant, output, model]``; ``evidence["reference_precision"]`` is the
+      reference's matmul precision (also in the summary of a ``reduced_precision`` or
+      ``low_precision_accumulation`` verdict). A ``reduced_precision`` verdict names the narrow
+      format when one fits every failing check (``evidence["formats"]``: "inputs rounded to tf32").
 
     Raises:
       PeatError: bad options, a candidate or reference that raises, or outputs whose structure
@@ -548,6 +585,8 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     """
     repeats = _validated_repeats(candidate, reference, example_args, repeats)
     names = _variant_names(variants)
+    precision = matmul_precision(reference_precision, "reference_precision")
+    reference = _Pinned(reference, precision)
     opts = _Options(allow=tuple(allow), atol=atol, rtol=rtol, reduction_length=reduction_length,
                     noise_factor=noise_factor)
     example_args = _to_jax(tuple(example_args))
@@ -573,4 +612,4 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
         if repeats > 1 and name == "example":
             checks += _repeat_checks(candidate, run, repeats - 1, opts)
     checks = [_within_reference_spread(c, spread.get((c.variant, c.output))) for c in checks]
-    return _verdict(checks, skipped=skipped, spread=spread)
+    return _verdict(checks, skipped=skipped, spread=spread, precision=precision)

@@ -14,9 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax.errors import PeatError
+from peat_jax.precision import at_matmul_precision, matmul_precision
 from peat_jax.profiler.hostio import quiet, to_device
 from peat_jax.profiler.rundir import (FORMAT, PathLike, RunDir, append_jsonl, atomic_write_json,
-                                      environment, rewrite_jsonl, run_identity)
+                                      environment, platform_info, recorded_precision,
+                                      rewrite_jsonl, run_identity)
 from peat_jax.profiler.workload import Workload, workload_factory
 
 __all__ = ["GoldenRun", "checkpoint_steps", "load_workload", "profile", "restore", "scalar_metrics",
@@ -217,16 +219,24 @@ def _record_digest(rd: RunDir, identity: dict, step: int, state) -> None:
 
 
 def _manifest(wl: Workload, seed: int, steps: int, every: int) -> dict:
+    """The manifest of a golden run; call it inside the run's matmul precision (its
+    ``environment`` records the precision in force)."""
+    env = environment()
     return {"format": FORMAT, "workload": wl.name, "config": _json_config(wl.config),
             "seed": int(seed), "steps": int(steps), "checkpoint_every": int(every),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            **environment()}
+            **platform_info(), "backend": env["backend"], "device_kind": env["device_kind"],
+            "environment": env}
 
 
 def _same_run(old: dict, new: dict) -> Optional[str]:
     for key in ("workload", "config", "seed", "checkpoint_every"):
         if old.get(key) != new.get(key):
             return f"{key} differs (on disk: {old.get(key)!r}, asked: {new.get(key)!r})"
+    if recorded_precision(old) != recorded_precision(new):
+        return (f"the matmul precision differs (on disk: {recorded_precision(old)!r}, asked: "
+                f"{recorded_precision(new)!r}; pass precision={recorded_precision(old)!r} to "
+                "resume it)")
     return None
 
 
@@ -236,29 +246,44 @@ def scalar_metrics(metrics) -> dict[str, float]:
 
 
 def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_every: int,
-            seed: int = 0, progress: Progress = None) -> GoldenRun:
+            seed: int = 0, progress: Progress = None, precision: Any = None) -> GoldenRun:
     """Run the golden training of `workload` into `run_dir`.
 
     Saves an Orbax checkpoint of the full train state before steps 0, K, 2K, ... and after the
     last step, appends each step's scalar metrics to `golden/metrics.jsonl`, writes
-    `manifest.json` (workload, config, seed, versions, backend, device kind) and
+    `manifest.json` (workload, config, seed, versions, backend, device kind, and the
+    `environment`: matmul precision, XLA_FLAGS, x64, CUDA / cuDNN versions on a GPU) and
     `golden/eval.json`. Rerunning into a directory that holds the same run (same workload,
-    config, seed and checkpoint interval) resumes from the last complete checkpoint; `steps`
-    may be larger than before to extend the run. A directory holding a different run is an
-    error, and nothing in it is touched.
+    config, seed, checkpoint interval and matmul precision) resumes from the last complete
+    checkpoint; `steps` may be larger than before to extend the run. A directory holding a
+    different run is an error, and nothing in it is touched.
+
+    Args:
+      precision: the matmul precision to train at ("highest", "high", "default", jax's other
+        names or a `jax.lax.Precision`; see `peat_jax.precision`), recorded in the manifest;
+        playback and runtime of the run directory replay at the same precision, so a replay
+        stays bitwise equal to the golden step. None: whatever jax is set to (recorded too).
 
     Returns:
       A `GoldenRun`.
     """
-    import orbax.checkpoint as ocp
     if not isinstance(workload, Workload):
         raise PeatError(f"profile needs a peat.Workload, got {type(workload).__name__}")
     for name, v in (("steps", steps), ("checkpoint_every", checkpoint_every)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
             raise PeatError(f"{name} must be a positive int, got {v!r}")
     steps, every = int(steps), int(checkpoint_every)
+    precision = None if precision is None else matmul_precision(precision)
     rd = RunDir(run_dir, create=True)
-    manifest = _manifest(workload, seed, steps, every)
+    with at_matmul_precision(precision):
+        manifest = _manifest(workload, seed, steps, every)
+        return _train(workload, rd, manifest, seed, steps, every, progress)
+
+
+def _train(workload: Workload, rd: RunDir, manifest: dict, seed: int, steps: int, every: int,
+           progress: Progress) -> GoldenRun:
+    """`profile`'s training, checkpoints and evaluation (inside the run's matmul precision)."""
+    import orbax.checkpoint as ocp
     identity = run_identity(manifest)
     resumed_from = None
     if not rd.has_manifest() and (rd.metrics_path.exists() or rd.checkpoint_record_path.exists()

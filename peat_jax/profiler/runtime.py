@@ -11,9 +11,10 @@ import numpy as np
 
 from peat_jax import taxonomy
 from peat_jax.errors import PeatError
+from peat_jax.precision import at_matmul_precision
 from peat_jax.profiler.golden import load_workload, restore, scalar_metrics
 from peat_jax.profiler.hostio import quiet, to_device
-from peat_jax.profiler.rundir import PathLike, RunDir, atomic_write_json
+from peat_jax.profiler.rundir import PathLike, RunDir, atomic_write_json, recorded_precision
 from peat_jax.profiler.workload import Workload
 from peat_jax.schedule import Schedule, inject
 from peat_jax.substitute import Substitution
@@ -130,7 +131,8 @@ def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substi
     losses (`steps` must not exceed the golden run). From a `Workload`: initialises it with `seed`
     and runs the golden steps alongside. The injected step is one jitted `peat.inject` function:
     one compile for the whole run. With `name` (run directory only) the result is written to
-    `campaigns/<name>/runtime.json`.
+    `campaigns/<name>/runtime.json`. A run directory's training runs at the matmul precision its
+    golden run recorded.
 
     Returns:
       A `RuntimeResult`.
@@ -140,7 +142,7 @@ def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substi
     if not isinstance(schedule, Schedule):
         raise PeatError("runtime needs a peat schedule (peat.every / peat.at_steps / "
                         f"peat.with_probability), got {type(schedule).__name__}")
-    rd = None
+    rd, precision = None, None
     if isinstance(run_dir_or_workload, Workload):
         wl = run_dir_or_workload
         state0 = wl.init(jax.random.key(seed))
@@ -148,6 +150,7 @@ def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substi
     else:
         rd = RunDir(run_dir_or_workload)
         m = rd.manifest()
+        precision = recorded_precision(m)
         wl = load_workload(m, workload)
         golden = rd.golden_losses()
         if steps > len(golden):
@@ -160,15 +163,16 @@ def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substi
     plain = jax.jit(wl.train_step) if golden is None else None
     state, gstate = state0, state0
     losses, golden_run = [], []
-    for i in range(steps):
-        batch = to_device(wl.batch(i))
-        state, metrics = step_fn(state, batch, i)
-        losses.append(scalar_metrics(metrics)["loss"])
-        if plain is not None:
-            gstate, gm = plain(gstate, batch)
-            golden_run.append(scalar_metrics(gm)["loss"])
-        if progress is not None:
-            progress(i + 1, steps)
+    with at_matmul_precision(precision):  # a run directory's: as its golden run trained
+        for i in range(steps):
+            batch = to_device(wl.batch(i))
+            state, metrics = step_fn(state, batch, i)
+            losses.append(scalar_metrics(metrics)["loss"])
+            if plain is not None:
+                gstate, gm = plain(gstate, batch)
+                golden_run.append(scalar_metrics(gm)["loss"])
+            if progress is not None:
+                progress(i + 1, steps)
     golden = golden if golden is not None else golden_run
     fired = schedule.fired_steps(range(steps))
     outcome, band, ev = classify_outcome(losses, golden, fired)
