@@ -20,7 +20,7 @@ import numpy as np
 from peat_jax.analyzer import analyze
 from peat_jax.detector import Diagnosis, detect, narrowed, severity
 from peat_jax.errors import PeatError
-from peat_jax.formats import float_format
+from peat_jax.formats import float_format, round_to_format
 from peat_jax.precision import at_matmul_precision, matmul_precision
 
 __all__ = ["REFERENCE_SPREAD_FACTOR", "VARIANTS", "check_kernel", "make_variant"]
@@ -432,6 +432,63 @@ def _within_reference_spread(c: _Check, spread: Optional[_Spread]) -> _Check:
                  f"{spread.reference:.3g} (the reference is nondeterministic)")))
 
 
+def _with_inputs_rounded(reference: Callable, fmt: str) -> Callable:
+    """`reference` fed its float inputs rounded to the narrow format `fmt` (straight through:
+    the gradients flow as if unrounded), what a kernel computing in `fmt` would return."""
+    def rounded(x):
+        if not _is_float_leaf(x):
+            return x
+        return x + jax.lax.stop_gradient(round_to_format(x, fmt) - x)
+
+    return lambda *args: reference(*jax.tree.map(rounded, args))
+
+
+def _explained_by_format(checks: list[_Check], runs: dict[str, _Run],
+                         reference: Callable) -> list[_Check]:
+    """`checks`, with each failing check of another model relabelled ``reduced_precision`` when
+    some check names a narrow format F and the candidate's max |error| there is within
+    `REFERENCE_SPREAD_FACTOR` times that of the reference fed F-rounded inputs: rounding to F
+    explains it (an outlier input rounded to TF32 shifts every output it dominates by one
+    constant factor, which the rules alone would call ``wrong_scale``)."""
+    formats = _narrowest_formats(checks)
+    if not formats:
+        return checks
+    emulated: dict[tuple[str, str], dict[str, Any]] = {}
+    out = []
+    for c in checks:
+        run = runs.get(c.variant)
+        if c.diagnosis.passed or c.diagnosis.model == "reduced_precision" or run is None or \
+                c.output not in run.reference:
+            out.append(c)
+            continue
+        error = _max_difference(run.candidate[c.output], run.reference[c.output])
+        for fmt in formats:
+            if (c.variant, fmt) not in emulated:
+                emulated[(c.variant, fmt)] = _outputs_again(
+                    _with_inputs_rounded(reference, fmt), run, "reference")
+            own = _max_difference(emulated[(c.variant, fmt)][c.output], run.reference[c.output])
+            if 0 < own and error <= REFERENCE_SPREAD_FACTOR * own:
+                out.append(_Check(c.variant, c.output, _format_explains(c.diagnosis, fmt, error,
+                                                                        own)))
+                break
+        else:
+            out.append(c)
+    return out
+
+
+def _format_explains(d: Diagnosis, fmt: str, error: float, own: float) -> Diagnosis:
+    """`d` relabelled ``reduced_precision``: its error is what inputs rounded to `fmt` give (no
+    ``max_floor_ratio``: a check the rules named directly is the better one to report)."""
+    return Diagnosis(
+        model="reduced_precision", passed=False, confidence=0.5,
+        evidence={"rule": "explained_by_format", "formats": [fmt], "max_abs_error": error,
+                  "format_error": own, "would_be": d.model,
+                  "would_be_floor_ratio": d.evidence.get("max_floor_ratio")},
+        summary=(f"fails: reduced_precision, inputs rounded to {fmt} explain the error (max "
+                 f"|error| {error:.3g}, within {REFERENCE_SPREAD_FACTOR:g}x the reference's own "
+                 f"with {fmt} inputs, {own:.3g}; the rules alone said {d.model})"))
+
+
 def _check_key(c: _Check) -> tuple:
     """Worst last: failing, then model class (`severity`), then a forward failure before the
     gradient failures it usually causes, then the floor ratio."""
@@ -595,6 +652,7 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     checks: list[_Check] = []
     skipped: dict[str, str] = {}
     spread: dict[tuple[str, str], _Spread] = {}
+    runs: dict[str, _Run] = {}
     for vi, name in enumerate(names):
         args = make_variant(name, example_args, seed + vi)
         if args is None:
@@ -605,6 +663,7 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
         if isinstance(run, str):
             skipped[name] = run
             continue
+        runs[name] = run
         checks += _comparisons(reference, run, opts)
         if repeats > 1 and (name == "example" or spread):
             # once the reference differs from itself, every later variant measures how much
@@ -612,4 +671,5 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
         if repeats > 1 and name == "example":
             checks += _repeat_checks(candidate, run, repeats - 1, opts)
     checks = [_within_reference_spread(c, spread.get((c.variant, c.output))) for c in checks]
+    checks = _explained_by_format(checks, runs, reference)
     return _verdict(checks, skipped=skipped, spread=spread, precision=precision)

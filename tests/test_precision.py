@@ -120,6 +120,17 @@ def test_a_tf32_candidate_is_reduced_precision_against_the_highest_reference(sha
     assert d.evidence["max_floor_ratio"] > 100
 
 
+def test_every_variant_of_a_tf32_candidate_is_put_down_to_tf32():
+    """On the "outliers" inputs one outlier rounded to TF32 shifts every output it dominates by
+    one factor (the rules alone: wrong_scale); the reference fed TF32 inputs errs as much, so
+    check_kernel puts it down to TF32 (rule explained_by_format), forward and backward."""
+    a, b = _operands(((16, 64), (64, 8)), seed=11)
+    d = check_kernel(tf32_matmul, jnp.matmul, a, b)
+    assert d.model == "reduced_precision" and d.evidence["formats"] == ["tf32"], d.summary
+    models = {model for _, output, model in d.evidence["checks"] if "repeat" not in output}
+    assert models <= {"reduced_precision", "exact", "numerical_noise"}
+
+
 @pytest.mark.parametrize("shapes", SHAPES)
 def test_a_tf32_candidate_passes_against_a_default_precision_reference(shapes):
     """Against the reference a GPU computes at precision "default" (TF32: emulated here by a
