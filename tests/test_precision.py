@@ -245,6 +245,16 @@ def test_a_golden_run_trains_and_replays_at_its_precision(tmp_path):
     res = peat.playback(run, {"dot_general": peat.faults.scale(1.0)}, workload=wl)
     assert seen and set(seen) == {"highest"}, "playback traces at the recorded precision"
     assert res.summary()["passed"] == len(res.cells) > 0
+    # with a time limit the cells run in another thread, at the same precision (the candidate's
+    # trace there notes it)
+    def recording_dot(a, b, **params):
+        seen.append(current_matmul_precision())
+        return jax.lax.dot_general(a, b, **params)
+
+    seen.clear()
+    peat.playback(run, {"dot_general": peat.Kernel("rec", recording_dot, primitive="dot_general")},
+                  workload=wl, cell_timeout=60)
+    assert seen and set(seen) == {"highest"}
     seen.clear()
     rt = peat.runtime(run, {"dot_general": peat.faults.scale(1.0)}, peat.every(2), steps=4,
                       workload=wl)
