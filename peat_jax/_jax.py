@@ -30,7 +30,7 @@ from peat_jax.errors import PeatError
 
 __all__ = [
     "JAX_VERSION", "TESTED_RANGE", "Literal", "ScanLayout", "WhileLayout", "bind", "cache_size",
-    "call_body", "cond_branches", "eqn_context", "ffi_platform", "is_differentiating", "is_jaxpr",
+    "call_body", "cond_branches", "cuda_versions", "eqn_context", "ffi_platform", "is_differentiating", "is_jaxpr",
     "is_tracer", "jaxpr_body", "jaxpr_consts", "name_stack", "pallas_interpreter", "remat_layout",
     "scan_layout", "sub_jaxprs", "unsupported", "while_layout",
 ]
@@ -292,3 +292,24 @@ def pallas_interpreter():
     """The module of Pallas' checked (TPU-style) interpreter, which holds its race state."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
     return interpret_pallas_call
+
+
+def cuda_versions() -> dict[str, Optional[int]]:
+    """The CUDA runtime and cuDNN versions jaxlib's CUDA plugin reports, as integers (e.g.
+    12080, 90800), by the keys ``cuda_version`` and ``cudnn_version``; None where the plugin is
+    absent or does not say (no public API holds them: jax's own cuDNN checks read the plugin's
+    ``_versions`` module, through ``jax._src.lib.cuda_versions``)."""
+    try:
+        from jax._src.lib import cuda_versions as versions
+    except ImportError:
+        versions = None
+
+    def ask(name: str) -> Optional[int]:
+        fn = getattr(versions, name, None)
+        try:
+            return int(fn()) if fn is not None else None
+        except Exception:  # noqa: BLE001 - a plugin without a working CUDA says nothing
+            return None
+
+    return {"cuda_version": ask("cuda_runtime_get_version"),
+            "cudnn_version": ask("cudnn_get_version")}

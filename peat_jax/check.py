@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax.analyzer import analyze
-from peat_jax.detector import Diagnosis, detect, severity
+from peat_jax.detector import Diagnosis, detect, narrowed, severity
 from peat_jax.errors import PeatError
-from peat_jax.formats import float_format
+from peat_jax.formats import float_format, round_to_format
+from peat_jax.precision import at_matmul_precision, matmul_precision
 
 __all__ = ["REFERENCE_SPREAD_FACTOR", "VARIANTS", "check_kernel", "make_variant"]
 
@@ -163,6 +164,19 @@ def _cotangent(out, key):
     return jax.tree_util.tree_unflatten(treedef, cts)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pinned:
+    """A reference traced, forward and backward, at one matmul precision (`_vjp` keeps the
+    precision for the backward pass too: a custom VJP's backward is traced there)."""
+
+    fn: Callable
+    precision: str
+
+    def __call__(self, *args):
+        with at_matmul_precision(self.precision):
+            return self.fn(*args)
+
+
 def _vjp(fn: Callable, args: tuple, positions: Sequence[int], ct):
     """Gradients of <fn(*args), ct> with respect to args[i] for i in positions."""
     def f(*diff):
@@ -171,8 +185,9 @@ def _vjp(fn: Callable, args: tuple, positions: Sequence[int], ct):
             full[i] = d
         return fn(*full)
 
-    out, pullback = jax.vjp(f, *[args[i] for i in positions])
-    return out, pullback(ct)
+    with at_matmul_precision(fn.precision if isinstance(fn, _Pinned) else None):
+        out, pullback = jax.vjp(f, *[args[i] for i in positions])
+        return out, pullback(ct)
 
 
 def _grad_names(positions: Sequence[int]) -> list[str]:
@@ -417,6 +432,63 @@ def _within_reference_spread(c: _Check, spread: Optional[_Spread]) -> _Check:
                  f"{spread.reference:.3g} (the reference is nondeterministic)")))
 
 
+def _with_inputs_rounded(reference: Callable, fmt: str) -> Callable:
+    """`reference` fed its float inputs rounded to the narrow format `fmt` (straight through:
+    the gradients flow as if unrounded), what a kernel computing in `fmt` would return."""
+    def rounded(x):
+        if not _is_float_leaf(x):
+            return x
+        return x + jax.lax.stop_gradient(round_to_format(x, fmt) - x)
+
+    return lambda *args: reference(*jax.tree.map(rounded, args))
+
+
+def _explained_by_format(checks: list[_Check], runs: dict[str, _Run],
+                         reference: Callable) -> list[_Check]:
+    """`checks`, with each failing check of another model relabelled ``reduced_precision`` when
+    some check names a narrow format F and the candidate's max |error| there is within
+    `REFERENCE_SPREAD_FACTOR` times that of the reference fed F-rounded inputs: rounding to F
+    explains it (an outlier input rounded to TF32 shifts every output it dominates by one
+    constant factor, which the rules alone would call ``wrong_scale``)."""
+    formats = _narrowest_formats(checks)
+    if not formats:
+        return checks
+    emulated: dict[tuple[str, str], dict[str, Any]] = {}
+    out = []
+    for c in checks:
+        run = runs.get(c.variant)
+        if c.diagnosis.passed or c.diagnosis.model == "reduced_precision" or run is None or \
+                c.output not in run.reference:
+            out.append(c)
+            continue
+        error = _max_difference(run.candidate[c.output], run.reference[c.output])
+        for fmt in formats:
+            if (c.variant, fmt) not in emulated:
+                emulated[(c.variant, fmt)] = _outputs_again(
+                    _with_inputs_rounded(reference, fmt), run, "reference")
+            own = _max_difference(emulated[(c.variant, fmt)][c.output], run.reference[c.output])
+            if 0 < own and error <= REFERENCE_SPREAD_FACTOR * own:
+                out.append(_Check(c.variant, c.output, _format_explains(c.diagnosis, fmt, error,
+                                                                        own)))
+                break
+        else:
+            out.append(c)
+    return out
+
+
+def _format_explains(d: Diagnosis, fmt: str, error: float, own: float) -> Diagnosis:
+    """`d` relabelled ``reduced_precision``: its error is what inputs rounded to `fmt` give (no
+    ``max_floor_ratio``: a check the rules named directly is the better one to report)."""
+    return Diagnosis(
+        model="reduced_precision", passed=False, confidence=0.5,
+        evidence={"rule": "explained_by_format", "formats": [fmt], "max_abs_error": error,
+                  "format_error": own, "would_be": d.model,
+                  "would_be_floor_ratio": d.evidence.get("max_floor_ratio")},
+        summary=(f"fails: reduced_precision, inputs rounded to {fmt} explain the error (max "
+                 f"|error| {error:.3g}, within {REFERENCE_SPREAD_FACTOR:g}x the reference's own "
+                 f"with {fmt} inputs, {own:.3g}; the rules alone said {d.model})"))
+
+
 def _check_key(c: _Check) -> tuple:
     """Worst last: failing, then model class (`severity`), then a forward failure before the
     gradient failures it usually causes, then the floor ratio."""
@@ -424,12 +496,22 @@ def _check_key(c: _Check) -> tuple:
     return (failing, rank, c.output == "forward", ratio)
 
 
+def _narrowest_formats(checks: Sequence[_Check]) -> tuple[str, ...]:
+    """The narrow formats every failing ``reduced_precision`` check fits (each check's own
+    values rule formats out by their exponent range: float16 cannot hold the "large" inputs)."""
+    sets = [set(c.diagnosis.evidence.get("formats") or ()) for c in checks
+            if c.diagnosis.model == "reduced_precision" and not c.diagnosis.passed]
+    sets = [x for x in sets if x]
+    return tuple(set.intersection(*sets)) if sets else ()
+
+
 def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
-             spread: dict[tuple[str, str], _Spread]) -> Diagnosis:
+             spread: dict[tuple[str, str], _Spread], precision: str) -> Diagnosis:
     """The worst check's diagnosis, its evidence extended with where it came from, every
-    check's model, the skipped variants and the reference's nondeterminism."""
+    check's model, the skipped variants, the reference's matmul precision and its
+    nondeterminism."""
     worst = max(checks, key=_check_key)
-    d = worst.diagnosis
+    d = narrowed(worst.diagnosis, _narrowest_formats(checks))
     failing = [c for c in checks if not c.diagnosis.passed]
     ev = dict(d.evidence)
     note = ""
@@ -439,6 +521,9 @@ def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
         note = (f"; note: the reference itself is nondeterministic (run-to-run max |diff| up to "
                 f"{max(s.reference for s in spread.values()):.3g})")
     ev["origin"] = {"variant": worst.variant, "output": worst.output}
+    ev["reference_precision"] = precision
+    if d.model in ("reduced_precision", "low_precision_accumulation"):
+        note = f"; reference at matmul precision {precision!r}" + note
     ev["checks"] = [[c.variant, c.output, c.diagnosis.model] for c in checks]
     if skipped:
         ev["skipped"] = skipped
@@ -506,7 +591,7 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
                  variants: Union[None, str, Sequence[str]] = None, seed: int = 0,
                  backward: bool = True, atol: Optional[float] = None,
                  rtol: Optional[float] = None, reduction_length: Optional[int] = None,
-                 noise_factor: float = 4.0) -> Diagnosis:
+                 noise_factor: float = 4.0, reference_precision: Any = "highest") -> Diagnosis:
     """Check `candidate` against `reference` (plain callables with the same signature).
 
     For every input variant (`make_variant`): both run on the same inputs; the outputs are
@@ -536,11 +621,20 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
         are treated as equal to the golden before the analysis (an escape hatch for known,
         accepted differences).
       reduction_length, noise_factor: passed to `analyze` (the dtype bound's K; F).
+      reference_precision: the matmul precision the reference (and its float64 evaluation) is
+        traced at, forward and backward: "highest" (default: full float32, so a kernel that
+        claims float32 is held to float32; on GPUs XLA would otherwise compute float32 dots in
+        TF32), "high", "default" (what the program would do), jax's other names for them
+        ("float32", "tensorfloat32", "bfloat16") or a `jax.lax.Precision`. The candidate runs
+        as written.
 
     Returns:
       The worst `Diagnosis` over all checks. ``evidence["origin"]`` is ``{"variant": ...,
       "output": "forward" | "grad[i]" | "repeat forward" | ...}``; ``evidence["checks"]`` lists
-      every check as ``[variant, output, model]``.
+      every check as ``[variant, output, model]``; ``evidence["reference_precision"]`` is the
+      reference's matmul precision (also in the summary of a ``reduced_precision`` or
+      ``low_precision_accumulation`` verdict). A ``reduced_precision`` verdict names the narrow
+      format when one fits every failing check (``evidence["formats"]``: "inputs rounded to tf32").
 
     Raises:
       PeatError: bad options, a candidate or reference that raises, or outputs whose structure
@@ -548,6 +642,8 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     """
     repeats = _validated_repeats(candidate, reference, example_args, repeats)
     names = _variant_names(variants)
+    precision = matmul_precision(reference_precision, "reference_precision")
+    reference = _Pinned(reference, precision)
     opts = _Options(allow=tuple(allow), atol=atol, rtol=rtol, reduction_length=reduction_length,
                     noise_factor=noise_factor)
     example_args = _to_jax(tuple(example_args))
@@ -556,6 +652,7 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     checks: list[_Check] = []
     skipped: dict[str, str] = {}
     spread: dict[tuple[str, str], _Spread] = {}
+    runs: dict[str, _Run] = {}
     for vi, name in enumerate(names):
         args = make_variant(name, example_args, seed + vi)
         if args is None:
@@ -566,6 +663,7 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
         if isinstance(run, str):
             skipped[name] = run
             continue
+        runs[name] = run
         checks += _comparisons(reference, run, opts)
         if repeats > 1 and (name == "example" or spread):
             # once the reference differs from itself, every later variant measures how much
@@ -573,4 +671,5 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
         if repeats > 1 and name == "example":
             checks += _repeat_checks(candidate, run, repeats - 1, opts)
     checks = [_within_reference_spread(c, spread.get((c.variant, c.output))) for c in checks]
-    return _verdict(checks, skipped=skipped, spread=spread)
+    checks = _explained_by_format(checks, runs, reference)
+    return _verdict(checks, skipped=skipped, spread=spread, precision=precision)

@@ -3,14 +3,16 @@
   peat demo [--out DIR]                        golden run, playback campaigns, runtime injection,
                                                a summary table and an HTML report
   peat sites TARGET                            the op sites of a train step (or any function)
-  peat profile TARGET --out DIR [--stats-every K] [--kernel K | --fault F [--sites S]]
+  peat profile TARGET --out DIR [--stats-every K] [--precision P]
+               [--kernel K | --fault F [--sites S]]
                                                the golden run (Orbax checkpoints, metrics, site
                                                statistics; a candidate in place for the run)
   peat compare RUN_A RUN_B                     first step and site where two runs part ways
   peat playback RUN_DIR (--kernel K | --fault F) [--sites SEL] [--checkpoints C,...]
   peat runtime RUN_DIR (--kernel K | --fault F) (--every N [--offset O] | --at-steps S,... |
                --probability P) [--steps N]
-  peat check KERNEL [--shapes 64x32,32x16] [--dtype float32]   a kernel against XLA
+  peat check KERNEL [--shapes 64x32,32x16] [--dtype float32] [--reference-precision P]
+                                               a kernel against XLA
   peat playback ... --cell-timeout S           campaign in a restartable worker process
   peat report RUN_DIR                          (re)write RUN_DIR/report.html
 
@@ -18,6 +20,7 @@ TARGET: a bundled workload name, or `module.path:attribute` naming a `peat.Workl
 zero-argument callable returning one (loaded only when named). KERNEL: a bundled kernel name
 (`peat check --help` lists them) or `module.path:attribute` (a `peat.Kernel` or a factory).
 FAULT: a call of a `peat.faults` constructor with literal arguments, e.g. "bit_flip(bit=30)".
+P: a matmul precision, highest | high | default (or jax's float32 | tensorfloat32 | bfloat16).
 Exit status: 0 on success, 1 when a check or campaign finds a failing kernel (or `compare` a
 divergence beyond noise), 2 on bad input.
 """
@@ -38,6 +41,7 @@ import numpy as np
 import peat_jax as peat
 from peat_jax import models
 from peat_jax.errors import PeatError
+from peat_jax.precision import MATMUL_PRECISIONS
 from peat_jax.profiler import supervisor
 from peat_jax.profiler.campaign import Campaign, campaign_name
 from peat_jax.profiler.rundir import RunDir
@@ -256,7 +260,8 @@ def cmd_profile(args) -> int:
     with _Progress(not args.json) as p:
         g = peat.profile(wl, args.out, steps=steps, checkpoint_every=args.checkpoint_every,
                          seed=args.seed, stats_every=args.stats_every, substitution=substitution,
-                         progress=p.task("golden run"))
+                         progress=p.task("golden run"),
+                         precision=args.precision)
     out = {"run_dir": g.run_dir, "workload": g.workload, "steps": g.steps,
            "checkpoints": list(g.checkpoints), "loss": [g.losses[0], g.losses[-1]], "eval": g.eval,
            "resumed_from": g.resumed_from}
@@ -405,7 +410,8 @@ def cmd_check(args) -> int:
         def candidate(a, b):
             return kernel(a, b, **params)
 
-    diag = peat.check_kernel(candidate, reference, *xs, allow=tuple(args.allow or ()))
+    diag = peat.check_kernel(candidate, reference, *xs, allow=tuple(args.allow or ()),
+                             reference_precision=args.reference_precision)
     if args.json:
         print(json.dumps(_diag_json(diag)))
     else:
@@ -565,6 +571,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--checkpoint-every", type=_positive, default=50)
     pr.add_argument("--stats-every", type=_positive, metavar="K",
                     help="record site statistics every K steps (golden/site_stats/)")
+    pr.add_argument("--precision", choices=list(MATMUL_PRECISIONS),
+                    help="matmul precision to train at, recorded in the manifest and used by its "
+                         "replays (default: jax's setting; on GPUs XLA's default is TF32)")
 
     def candidate(sp, campaign=True):
         sp.add_argument("--kernel", help=f"bundled kernel ({', '.join(KERNELS)}) or module:attribute")
@@ -613,6 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "attention)")
     ck.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ck.add_argument("--allow", action="append", help="an error model to accept (repeatable)")
+    ck.add_argument("--reference-precision", choices=list(MATMUL_PRECISIONS), default="highest",
+                    help="matmul precision of the XLA reference (default highest: full float32; "
+                         "'default' is what the program would do, TF32 on recent GPUs)")
     common(ck)
     ck.set_defaults(func=cmd_check)
 

@@ -29,9 +29,10 @@ import numpy as np
 from peat_jax import taxonomy
 from peat_jax.analyzer import Signature
 from peat_jax.errors import PeatError
-from peat_jax.formats import bit_class, float_format
+from peat_jax.formats import bit_class, float_format, narrow_formats_like
 
-__all__ = ["Diagnosis", "MODELS", "PASSING", "RULES", "Rule", "detect", "severity"]
+__all__ = ["Diagnosis", "MODELS", "PASSING", "RULES", "Rule", "detect", "format_phrase", "narrowed",
+           "severity"]
 
 MODELS: tuple[str, ...] = taxonomy.MODELS
 """Every model name `detect` can return (`peat_jax.taxonomy`; docs/design.md)."""
@@ -520,6 +521,22 @@ def _dense_numerical(s: Signature) -> bool:
     return dist_fail or c.significant >= 0.1 * c.elements
 
 
+def _format_magnitudes(s: Signature) -> tuple[float, ...]:
+    """Magnitudes the candidate kept finite and within its narrow precision: the golden's rms
+    (a narrow format that cannot hold it is ruled out)."""
+    rms = s.noise.rms_golden if s.noise is not None else None
+    return (rms,) if rms is not None and math.isfinite(rms) else ()
+
+
+def format_phrase(formats) -> str:
+    """How a summary names the narrow formats a result fits: "tf32", "tf32/fp16-like" (two
+    formats with the same mantissa that the values could not tell apart), or "" for none."""
+    formats = tuple(formats)
+    if not formats:
+        return ""
+    return formats[0] if len(formats) == 1 else "/".join(formats) + "-like"
+
+
 def _reduced_precision(s: Signature) -> Optional[_Match]:
     """Dense small errors (>= 50% of the elements mismatched, median relative error <= 1/8, no
     new non-finite value, and either the float64 distribution test fails or >= 10% of the
@@ -527,7 +544,8 @@ def _reduced_precision(s: Signature) -> Optional[_Match]:
     bits than the golden's and each is the golden rounded to that grid (<= 1% of the mismatched
     elements more than 0.5625 ULP of the grid away: output rounded), or (b) the values use the
     full grid, the error slope is < 0.2 (error independent of the value: inputs or products
-    rounded) and |bias t| < 6."""
+    rounded) and |bias t| < 6. The narrow format is named when the mantissa bits are within 1 of
+    a known one (tf32 10, bf16 7, fp16 10) whose exponent range holds the golden's rms."""
     if not _dense_numerical(s):
         return None
     p, e = s.precision, s.errors
@@ -535,22 +553,43 @@ def _reduced_precision(s: Signature) -> Optional[_Match]:
     if p.on_narrow_grid:
         if p.beyond_half_ulp_on_grid > GRID_TOLERANCE:
             return None
+        formats = narrow_formats_like(p.candidate_grid_bits, tolerance=0,
+                                      magnitudes=_format_magnitudes(s))
         ev = {"where": "output", "effective_mantissa_bits": p.candidate_grid_bits,
-              "max_ulp_on_grid": p.max_ulp_on_grid, "golden_grid_bits": p.golden_grid_bits,
+              "formats": list(formats), "max_ulp_on_grid": p.max_ulp_on_grid,
+              "golden_grid_bits": p.golden_grid_bits,
               "beyond_half_ulp_on_grid": p.beyond_half_ulp_on_grid}
-        return _Match(ev, 1.0, f"output rounded to {p.candidate_grid_bits} mantissa bits "
+        named = f"{format_phrase(formats)}, " if formats else ""
+        return _Match(ev, 1.0, f"output rounded to {named}{p.candidate_grid_bits} mantissa bits "
                                f"({s.dtype} has {nmant}): every value is the golden rounded "
                                "to that grid")
     if not (e.error_slope < SLOPE_THRESHOLD) or abs(e.bias_t) >= BIAS_T_THRESHOLD:
         return None
     bits = p.effective_mantissa_bits
-    ev = {"where": "inputs", "effective_mantissa_bits": round(bits, 1),
+    formats = narrow_formats_like(bits, magnitudes=_format_magnitudes(s))
+    ev = {"where": "inputs", "effective_mantissa_bits": round(bits, 1), "formats": list(formats),
           "error_slope": e.error_slope, "bias_t": e.bias_t,
           "median_rel_error": 2.0 ** -(bits + 2)}
     conf = max(0.5, min(1.0, 0.5 + (SLOPE_THRESHOLD - e.error_slope) / (2 * SLOPE_THRESHOLD)))
+    slope = f"error independent of the value, slope {_g(e.error_slope)}"
+    if formats:
+        return _Match(ev, conf, f"inputs rounded to {format_phrase(formats)} (about {bits:.0f} "
+                                f"effective mantissa bits; {s.dtype} has {nmant}; {slope})")
     return _Match(ev, conf, f"about {bits:.0f} effective mantissa bits ({s.dtype} has {nmant}): "
-                            "inputs or products rounded to a narrower format (error "
-                            f"independent of the value, slope {_g(e.error_slope)})")
+                            f"inputs or products rounded to a narrower format ({slope})")
+
+
+def narrowed(d: Diagnosis, formats) -> Diagnosis:
+    """A ``reduced_precision`` diagnosis `d` with its narrow formats cut down to those also in
+    `formats` (other evidence, e.g. another input range that ruled float16 out); `d` itself when
+    that changes nothing or leaves none."""
+    old = tuple(d.evidence.get("formats") or ())
+    new = tuple(f for f in old if f in tuple(formats))
+    if d.model != "reduced_precision" or not new or new == old:
+        return d
+    return dataclasses.replace(
+        d, evidence={**d.evidence, "formats": list(new)},
+        summary=d.summary.replace(f"to {format_phrase(old)}", f"to {format_phrase(new)}", 1))
 
 
 def _low_precision_accumulation(s: Signature) -> Optional[_Match]:

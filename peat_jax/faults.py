@@ -43,7 +43,8 @@ from jax import lax
 
 from peat_jax import taxonomy
 from peat_jax.errors import PeatError
-from peat_jax.formats import TF32, float_format, from_bits, to_bits
+from peat_jax.formats import (NARROW_ALIASES, NARROW_FORMATS, already_as_narrow, float_format,
+                              from_bits, round_to_format, to_bits)
 
 __all__ = [
     "ALL",
@@ -242,52 +243,8 @@ def _random_differing(key, orig, s):
 # Precision rounding
 # ----------------------------------------------------------------------------------------------
 
-_PRECISIONS = {"tf32": TF32, "bf16": float_format("bfloat16"), "fp16": float_format("float16")}
-_PRECISION_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
-
-
 def _normalise_precision(name: str, value) -> str:
-    value = _PRECISION_ALIASES.get(value, value)
-    return _check_choice(name, value, tuple(_PRECISIONS))
-
-
-def _precision_noop(dtype, precision: str) -> bool:
-    """True when `dtype` is already as narrow as `precision`: no more mantissa bits, and no
-    wider exponent range."""
-    f, target = float_format(dtype), _PRECISIONS[precision]
-    return f.mantissa_bits <= target.mantissa_bits and f.exponent_bits <= target.exponent_bits
-
-
-def _round_mantissa(x, keep: int):
-    """`x` rounded to `keep` mantissa bits, round-to-nearest-even, in `x`'s own exponent range.
-
-    Integer-only on the bit pattern: carries into the exponent (up to inf) as a narrower format
-    would; NaN and inf are returned unchanged. Returns `x`'s dtype.
-    """
-    f = float_format(x.dtype)
-    drop = f.mantissa_bits - keep
-    if drop <= 0:
-        return x
-    u = to_bits(x)
-    ut = f.uint
-    lsb = (u >> ut(drop)) & ut(1)
-    rounded = (u + ut((1 << (drop - 1)) - 1) + lsb) & ut(~((1 << drop) - 1) & ((1 << f.bits) - 1))
-    special = (u & ut(f.exponent_mask)) == ut(f.exponent_mask)
-    return from_bits(jnp.where(special, u, rounded), x.dtype)
-
-
-def _round_to(x, precision: str):
-    """`x` rounded to `precision`, same dtype; a no-op when `x.dtype` is already that narrow.
-
-    "tf32" / "bf16": mantissa rounded to 10 / 7 bits keeping `x`'s exponent range (for float32
-    that is exactly the TF32 / bfloat16 range). "fp16": a round trip through float16 (its range
-    too: overflow to inf, float16 subnormals).
-    """
-    if _precision_noop(x.dtype, precision):
-        return x
-    if precision == "fp16":
-        return x.astype(jnp.float16).astype(x.dtype)
-    return _round_mantissa(x, _PRECISIONS[precision].mantissa_bits)
+    return _check_choice(name, NARROW_ALIASES.get(value, value), tuple(NARROW_FORMATS))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -747,22 +704,22 @@ def truncate(precision: str = "bf16", *, where: str = "inputs", seed: int = 0) -
         if problem is not None:
             return problem
         if (where == "output" and ctx.out_dtype is not None
-                and _precision_noop(ctx.out_dtype, precision)):
+                and already_as_narrow(ctx.out_dtype, precision)):
             return _Problem(f"output dtype {jnp.dtype(ctx.out_dtype).name} is already as narrow as "
                             f"{precision}: no-op", False)
         if where == "inputs" and ctx.in_dtypes is not None:
             floats = [d for d in ctx.in_dtypes if _is_float(d)]
             if not floats:
                 return _Problem("no floating operand to round: no-op", False)
-            if all(_precision_noop(d, precision) for d in floats):
+            if all(already_as_narrow(d, precision) for d in floats):
                 return _Problem(f"every floating operand is already as narrow as {precision}: "
                                 "no-op", False)
         return None
 
     def core(out, reference, operands, key, site):
         if where == "output":
-            return _round_to(out, precision)
-        rounded = tuple(_round_to(o, precision) if _is_float(jnp.result_type(o)) else o
+            return round_to_format(out, precision)
+        rounded = tuple(round_to_format(o, precision) if _is_float(jnp.result_type(o)) else o
                         for o in operands)
         return reference(*rounded)
 
@@ -850,15 +807,15 @@ def low_precision_accumulation(dtype: str = "bf16", *, chunk: int = 8, seed: int
 
         n_full, tail = divmod(length, chunk)
         if n_full == 0:
-            return _round_to(partial(0, tail), dtype)
-        acc = _round_to(partial(0, chunk), dtype)
+            return round_to_format(partial(0, tail), dtype)
+        acc = round_to_format(partial(0, chunk), dtype)
 
         def step(i, acc):
-            return _round_to(acc + partial(i * chunk, chunk), dtype)
+            return round_to_format(acc + partial(i * chunk, chunk), dtype)
 
         acc = lax.fori_loop(1, n_full, step, acc)
         if tail:
-            acc = _round_to(acc + partial(n_full * chunk, tail), dtype)
+            acc = round_to_format(acc + partial(n_full * chunk, tail), dtype)
         return acc
 
     return _make("low_precision_accumulation", params, core, check)

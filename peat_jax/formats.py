@@ -22,11 +22,16 @@ from peat_jax.errors import PeatError
 __all__ = [
     "BIT_CLASSES",
     "FloatFormat",
+    "NARROW_ALIASES",
+    "NARROW_FORMATS",
     "TF32",
+    "already_as_narrow",
     "bit_class",
     "bit_classes",
     "float_format",
     "from_bits",
+    "narrow_formats_like",
+    "round_to_format",
     "to_bits",
     "ulp_of_magnitude",
     "ulp_of_value",
@@ -121,6 +126,13 @@ class FloatFormat(NamedTuple):
         return {"mantissa": (0, m), "exponent": (m, m + e), "sign": (self.bits - 1, self.bits),
                 None: (0, self.bits)}[bit_class]
 
+    def holds_magnitude(self, magnitude: float) -> bool:
+        """True when a value of this magnitude is a normal number of the format (neither
+        beyond its largest finite value nor below its smallest normal); 0 is held."""
+        if magnitude == 0.0:
+            return True
+        return 2.0 ** self.min_exponent <= magnitude < 2.0 ** (self.max_exponent + 1)
+
     def bit_class(self, bit: int) -> str:
         """The field bit position `bit` belongs to: "sign", "exponent" or "mantissa"."""
         if bit == self.sign_bit:
@@ -207,3 +219,75 @@ def ulp_of_value(r, fmt: FloatFormat):
     e = jnp.maximum(e, fmt.min_exponent) - fmt.mantissa_bits
     field = (e + f64.bias).astype(jnp.uint64) << np.uint64(f64.mantissa_bits)
     return lax.bitcast_convert_type(field, jnp.float64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Narrow formats a float32 kernel may compute in (faults emulate them, the detector names them)
+# ----------------------------------------------------------------------------------------------
+
+NARROW_FORMATS: dict[str, FloatFormat] = {"tf32": TF32, "bf16": float_format("bfloat16"),
+                                          "fp16": float_format("float16")}
+"""The narrow formats by short name: TF32 (10 mantissa bits, float32's exponent range),
+bfloat16 (7 bits, float32's range) and float16 (10 bits, exponents -14..15)."""
+
+NARROW_ALIASES: dict[str, str] = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+                                  "tensorfloat32": "tf32"}
+"""Other names accepted for the `NARROW_FORMATS`."""
+
+
+def already_as_narrow(dtype, name: str) -> bool:
+    """True when `dtype` is already as narrow as the narrow format `name`: no more mantissa bits
+    and no wider exponent range (rounding to it is then a no-op)."""
+    f, target = float_format(dtype), NARROW_FORMATS[name]
+    return f.mantissa_bits <= target.mantissa_bits and f.exponent_bits <= target.exponent_bits
+
+
+def _round_mantissa(x, keep: int):
+    """`x` rounded to `keep` mantissa bits, round-to-nearest-even, in `x`'s own exponent range.
+
+    Integer-only on the bit pattern: carries into the exponent (up to inf) as a narrower format
+    would; NaN and inf are returned unchanged. Returns `x`'s dtype.
+    """
+    f = float_format(x.dtype)
+    drop = f.mantissa_bits - keep
+    if drop <= 0:
+        return x
+    u = to_bits(x)
+    ut = f.uint
+    lsb = (u >> ut(drop)) & ut(1)
+    rounded = (u + ut((1 << (drop - 1)) - 1) + lsb) & ut(~((1 << drop) - 1) & ((1 << f.bits) - 1))
+    special = (u & ut(f.exponent_mask)) == ut(f.exponent_mask)
+    return from_bits(jnp.where(special, u, rounded), x.dtype)
+
+
+def round_to_format(x, name: str):
+    """`x` rounded to the narrow format `name` (a key of `NARROW_FORMATS`), round-to-nearest-even
+    (jittable; not differentiable: its gradient is zero).
+
+    "tf32" / "bf16": mantissa rounded to 10 / 7 bits keeping `x`'s exponent range (for float32
+    that is exactly the TF32 / bfloat16 range). "fp16": a round trip through float16 (its range
+    too: overflow to inf, float16 subnormals).
+
+    Returns:
+      An array of `x`'s dtype; `x` itself when its dtype is already that narrow.
+    """
+    if already_as_narrow(x.dtype, name):
+        return x
+    if name == "fp16":
+        return x.astype(jnp.float16).astype(x.dtype)
+    return _round_mantissa(x, NARROW_FORMATS[name].mantissa_bits)
+
+
+def narrow_formats_like(mantissa_bits: float, *, tolerance: float = 1.0,
+                        magnitudes: tuple[float, ...] = ()) -> tuple[str, ...]:
+    """The `NARROW_FORMATS` a result with about `mantissa_bits` effective mantissa bits may have
+    been computed in: those whose mantissa is within `tolerance` bits of it, and whose exponent
+    range holds every one of `magnitudes` (values the narrow computation kept finite and
+    accurate: a value float16 cannot hold rules float16 out).
+
+    Returns:
+      Short names, narrowest exponent range last ("tf32", "fp16"); empty when none fits.
+    """
+    return tuple(name for name, f in NARROW_FORMATS.items()
+                 if abs(f.mantissa_bits - mantissa_bits) <= tolerance
+                 and all(f.holds_magnitude(m) for m in magnitudes))

@@ -69,6 +69,18 @@ def test_check_fails_on_a_buggy_kernel_with_the_diagnosis():
     assert ok.returncode == 0 and json.loads(ok.stdout)["passed"] is True
 
 
+def test_check_holds_the_kernel_to_the_reference_precision():
+    r = peat("check", "cli_kernels:tf32_matmul", "--shapes", "16x64,64x8", "--json")
+    assert r.returncode == 1, r.stderr[-2000:]
+    d = json.loads(r.stdout)
+    assert d["model"] == "reduced_precision" and d["evidence"]["reference_precision"] == "highest"
+    assert "inputs rounded to tf32" in d["summary"]
+    ok = peat("check", "cli_kernels:correct_matmul", "--shapes", "16x8,8x4", "--json",
+              "--reference-precision", "default")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["evidence"]["reference_precision"] == \
+        "default"
+
+
 def test_check_runs_a_bundled_region_kernel_against_its_reference():
     r = peat("check", "pallas_softmax", "--shapes", "19x24", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -88,6 +100,8 @@ def test_check_runs_a_bundled_region_kernel_against_its_reference():
     (["runtime", "/nonexistent/run", "--fault", "nope(1)", "--every", "5"], "unknown fault 'nope'"),
     (["runtime", "/nonexistent/run", "--fault", "scale(2.0)"], "give exactly one schedule"),
     (["check", "cli_kernels:nothing_here"], "has no attribute 'nothing_here'"),
+    (["check", "pallas_matmul", "--reference-precision", "tf32"], "invalid choice: 'tf32'"),
+    (["profile", "vision", "--out", "/tmp/x", "--precision", "fp32"], "invalid choice: 'fp32'"),
 ])
 def test_bad_arguments_give_one_line_error_and_no_traceback(args, needle):
     r = peat(*args, timeout=120)

@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax.errors import PeatError
+from peat_jax.precision import matmul_precision
 from peat_jax.regions import region_info
 
 __all__ = ["next_pow2", "fit_block", "check_block", "region_args", "float_reason",
-           "dot_general_float_support"]
+           "dot_general_float_support", "dot_precision", "precision_suffix"]
 
 
 def next_pow2(n: int) -> int:
@@ -28,6 +29,20 @@ def fit_block(block: int, dim: int, minimum: int = 16) -> int:
     """`block` shrunk to the smallest power of two >= `dim` (at least `minimum`): small arrays are
     not padded up to a large default block. Returns elements."""
     return min(int(block), max(int(minimum), next_pow2(dim)))
+
+
+def dot_precision(value: Any) -> jax.lax.Precision:
+    """A kernel's `precision` argument as the `jax.lax.Precision` its dots pass explicitly (so
+    jax's global setting does not change the kernel): HIGHEST (full float32; Triton's "ieee"),
+    HIGH, or DEFAULT (Triton's default: TF32 for float32 operands on recent NVIDIA GPUs).
+    Accepts what `peat_jax.precision.matmul_precision` accepts; a PeatError otherwise."""
+    return jax.lax.Precision[matmul_precision(value).upper()]
+
+
+def precision_suffix(precision: jax.lax.Precision) -> str:
+    """What a kernel's name adds for its dot precision: nothing for the default, full float32
+    (HIGHEST), else ", precision='default'" (or 'high')."""
+    return "" if precision == jax.lax.Precision.HIGHEST else f", precision={precision.name.lower()!r}"
 
 
 def check_block(name: str, value: Any) -> int:

@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp

@@ -14,9 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax.errors import PeatError
+from peat_jax.precision import at_matmul_precision, matmul_precision
 from peat_jax.profiler.hostio import quiet, to_device
 from peat_jax.profiler.rundir import (FORMAT, PathLike, RunDir, append_jsonl, atomic_write_json,
-                                      environment, rewrite_jsonl, run_identity)
+                                      environment, platform_info, recorded_precision,
+                                      rewrite_jsonl, run_identity)
 from peat_jax.profiler.site_stats import StatsStep, write_sites, write_step
 from peat_jax.profiler.workload import Workload, workload_factory
 
@@ -219,11 +221,15 @@ def _record_digest(rd: RunDir, identity: dict, step: int, state) -> None:
 
 def _manifest(wl: Workload, seed: int, steps: int, every: int, stats_every: Optional[int],
               substitution: Optional[list]) -> dict:
+    """The manifest of a golden run; call it inside the run's matmul precision (its
+    ``environment`` records the precision in force)."""
+    env = environment()
     return {"format": FORMAT, "workload": wl.name, "config": _json_config(wl.config),
             "seed": int(seed), "steps": int(steps), "checkpoint_every": int(every),
             "stats_every": stats_every, "substitution": substitution,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            **environment()}
+            **platform_info(), "backend": env["backend"], "device_kind": env["device_kind"],
+            "environment": env}
 
 
 def substitution_record(substitution, sites) -> Optional[list]:
@@ -241,6 +247,10 @@ def _same_run(old: dict, new: dict) -> Optional[str]:
     for key in ("workload", "config", "seed", "checkpoint_every", "stats_every", "substitution"):
         if old.get(key) != new.get(key):
             return f"{key} differs (on disk: {old.get(key)!r}, asked: {new.get(key)!r})"
+    if recorded_precision(old) != recorded_precision(new):
+        return (f"the matmul precision differs (on disk: {recorded_precision(old)!r}, asked: "
+                f"{recorded_precision(new)!r}; pass precision={recorded_precision(old)!r} to "
+                "resume it)")
     return None
 
 
@@ -251,72 +261,122 @@ def scalar_metrics(metrics) -> dict[str, float]:
 
 def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_every: int,
             seed: int = 0, stats_every: Optional[int] = None, substitution=None,
-            progress: Progress = None) -> GoldenRun:
+            progress: Progress = None, precision: Any = None) -> GoldenRun:
     """Run the golden training of `workload` into `run_dir`.
-
-    With `stats_every=K`, every K-th step (0, K, 2K, ...) runs with site statistics: for every
-    site output, forward and backward, a compact `SiteStats` record computed on the device in
-    the same jitted step (see `peat_jax.profiler.site_stats`), written to
-    `golden/site_stats/<step>.npz`; the steps in between run the plain step, and the trajectory
-    is bitwise the one without statistics. `peat.compare` reads them.
-
-    With `substitution={selector: kernel or fault}` the candidate replaces the op at its sites
-    for the whole run (a golden-style run "trained with my kernel"); the manifest records the
-    substitution, and comparing the run with a reference run shows where it departs.
 
     Saves an Orbax checkpoint of the full train state before steps 0, K, 2K, ... and after the
     last step, appends each step's scalar metrics to `golden/metrics.jsonl`, writes
-    `manifest.json` (workload, config, seed, versions, backend, device kind) and
+    `manifest.json` (workload, config, seed, versions, backend, device kind, and the
+    `environment`: matmul precision, XLA_FLAGS, x64, CUDA / cuDNN versions on a GPU) and
     `golden/eval.json`. Rerunning into a directory that holds the same run (same workload,
-    config, seed and checkpoint interval) resumes from the last complete checkpoint; `steps`
-    may be larger than before to extend the run. A directory holding a different run is an
-    error, and nothing in it is touched.
+    config, seed, checkpoint interval, statistics interval, substitution and matmul precision)
+    resumes from the last complete checkpoint; `steps` may be larger than before to extend the
+    run. A directory holding a different run is an error, and nothing in it is touched.
+
+    Args:
+      stats_every: K: every K-th step (0, K, 2K, ...) runs with site statistics: for every site
+        output, forward and backward, a compact record computed on the device in the same
+        jitted step (see `peat_jax.profiler.site_stats`), written to
+        `golden/site_stats/<step>.npz`; the steps in between run the plain step, and the
+        trajectory is bitwise the one without statistics. `peat.compare` reads them.
+      substitution: `{selector: kernel or fault}`: the candidate replaces the op at its sites
+        for the whole run (a golden-style run "trained with my kernel"); the manifest records
+        it, and comparing the run with a reference run shows where it departs.
+      precision: the matmul precision to train at ("highest", "high", "default", jax's other
+        names or a `jax.lax.Precision`; see `peat_jax.precision`), recorded in the manifest;
+        playback and runtime of the run directory replay at the same precision, so a replay
+        stays bitwise equal to the golden step. None: whatever jax is set to (recorded too).
 
     Returns:
       A `GoldenRun`.
     """
-    import orbax.checkpoint as ocp
+    steps, every, stats_every = _checked_intervals(workload, steps, checkpoint_every, stats_every)
+    precision = None if precision is None else matmul_precision(precision)
+    rd = RunDir(run_dir, create=True)
+    with at_matmul_precision(precision):
+        stepper = StatsStep(workload.train_step, substitution)
+        stats_sites, record = None, None
+        if stats_every or substitution:  # trace the step once, on a fresh state and batch 0
+            probe = (workload.init(jax.random.key(seed)), to_device(workload.batch(0)))
+            stats_sites = stepper.sites(*probe) if stats_every else None
+            record = substitution_record(substitution, stepper.traced(*probe)[0].sites)
+        manifest = _manifest(workload, seed, steps, every, stats_every, record)
+        resumed_from = _resume_point(rd, manifest, steps)
+        if stats_every:
+            write_sites(rd.site_stats, stats_sites)
+        state = _train(workload, rd, manifest, _Stepper(stepper, stats_every, stats_sites),
+                       seed, steps, every, resumed_from, progress)
+        evaluation = dict(workload.evaluate(state)) if workload.evaluate is not None else {}
+    atomic_write_json(rd.eval_path, {"step": steps, **{k: float(v) for k, v in evaluation.items()}})
+    return GoldenRun(str(rd.path), workload.name, steps, tuple(available_checkpoints(rd)),
+                     tuple(rd.golden_losses()), evaluation, resumed_from)
+
+
+def _positive_int(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+        raise PeatError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
+
+
+def _checked_intervals(workload, steps, checkpoint_every, stats_every):
+    """(steps, checkpoint_every, stats_every or None) as ints; PeatError for bad values."""
     if not isinstance(workload, Workload):
         raise PeatError(f"profile needs a peat.Workload, got {type(workload).__name__}")
-    for name, v in (("steps", steps), ("checkpoint_every", checkpoint_every)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise PeatError(f"{name} must be a positive int, got {v!r}")
-    if stats_every is not None and (isinstance(stats_every, bool) or not isinstance(
-            stats_every, (int, np.integer)) or stats_every <= 0):
-        raise PeatError(f"stats_every must be a positive int or None, got {stats_every!r}")
-    steps, every = int(steps), int(checkpoint_every)
-    stats_every = None if stats_every is None else int(stats_every)
-    stepper = StatsStep(workload.train_step, substitution)
-    stats_sites, record = None, None
-    if stats_every or substitution:  # trace the step once, on a fresh state and the first batch
-        probe = (workload.init(jax.random.key(seed)), to_device(workload.batch(0)))
-        stats_sites = stepper.sites(*probe) if stats_every else None
-        record = substitution_record(substitution, stepper.traced(*probe)[0].sites)
-    rd = RunDir(run_dir, create=True)
-    manifest = _manifest(workload, seed, steps, every, stats_every, record)
-    identity = run_identity(manifest)
-    resumed_from = None
+    return (_positive_int("steps", steps), _positive_int("checkpoint_every", checkpoint_every),
+            None if stats_every is None else _positive_int("stats_every", stats_every))
+
+
+def _resume_point(rd: RunDir, manifest: dict, steps: int) -> Optional[int]:
+    """The checkpoint step to resume from (None: a fresh run); PeatError when the directory holds
+    another run, a shorter request, or files without their manifest (nothing is touched)."""
     if not rd.has_manifest() and (rd.metrics_path.exists() or rd.checkpoint_record_path.exists()
                                   or available_checkpoints(rd)):
         raise PeatError(f"{rd.path} holds a golden run's files but no {rd.manifest_path.name}: "
                         "put back its manifest.json to resume it, or profile into a new "
                         "directory; nothing was changed")
-    if rd.has_manifest():
-        old = rd.manifest()
-        why = _same_run(old, manifest)
-        if why:
-            raise PeatError(f"{rd.manifest_path} belongs to another golden run: {why}; profile "
-                            "into a new directory")
-        if steps < int(old.get("steps", 0)):
-            raise PeatError(f"{rd.path} holds a golden run of {old['steps']} steps; profile it "
-                            f"with steps >= {old['steps']} to resume or extend it, or profile "
-                            f"{steps} steps into a new directory")
-        done = available_checkpoints(rd)
-        if done:
-            resumed_from = max(done)
+    if not rd.has_manifest():
+        return None
+    old = rd.manifest()
+    why = _same_run(old, manifest)
+    if why:
+        raise PeatError(f"{rd.manifest_path} belongs to another golden run: {why}; profile "
+                        "into a new directory")
+    if steps < int(old.get("steps", 0)):
+        raise PeatError(f"{rd.path} holds a golden run of {old['steps']} steps; profile it "
+                        f"with steps >= {old['steps']} to resume or extend it, or profile "
+                        f"{steps} steps into a new directory")
+    done = available_checkpoints(rd)
+    return max(done) if done else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stepper:
+    """One training step of a golden run: with site statistics every `stats_every` steps."""
+
+    step: StatsStep
+    stats_every: Optional[int]
+    stats_sites: Any
+
+    def __call__(self, rd: RunDir, i: int, state, batch):
+        """The new state and metrics of step i (its statistics written when it has them)."""
+        if not (self.stats_every and i % self.stats_every == 0):
+            return self.step.plain(state, batch)
+        state, metrics, stats = self.step.with_stats(state, batch)
+        stats = jax.device_get(stats)
+        if len(stats["words"]) != sum(s.recorded for s in self.stats_sites):
+            raise PeatError(f"site statistics of {len(stats['words'])} sites came out of the step, "
+                            f"{len(self.stats_sites)} were expected: a container the statistics "
+                            "cannot pass through; please report it")
+        write_step(rd.site_stats, i, stats)
+        return state, metrics
+
+
+def _train(workload: Workload, rd: RunDir, manifest: dict, stepper: _Stepper, seed: int,
+           steps: int, every: int, resumed_from: Optional[int], progress: Progress):
+    """`profile`'s training loop with its checkpoints and metrics; the final state."""
+    import orbax.checkpoint as ocp
+    identity = run_identity(manifest)
     wanted = checkpoint_steps(steps, every)
-    if stats_every:
-        write_sites(rd.site_stats, stats_sites)
     with quiet():
         mgr = _manager(rd)
         try:
@@ -328,7 +388,7 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
             else:
                 state = restore(rd.path, resumed_from, workload=workload)
                 start = resumed_from
-                # drop metrics logged after the checkpoint we resume from (a kill between checkpoints)
+                # drop metrics logged after the checkpoint we resume from (a kill between them)
                 rewrite_jsonl(rd.metrics_path, rd.golden_metrics(upto=start))
                 rd.write_manifest(manifest)
             if start not in available_checkpoints(rd) and start in wanted:
@@ -336,18 +396,7 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
                 mgr.save(start, args=ocp.args.StandardSave(state))
             pending = []
             for i in range(start, steps):
-                batch = to_device(workload.batch(i))
-                if stats_every and i % stats_every == 0:
-                    state, metrics, stats = stepper.with_stats(state, batch)
-                    stats = jax.device_get(stats)
-                    if len(stats["words"]) != sum(s.recorded for s in stats_sites):
-                        raise PeatError(f"site statistics of {len(stats['words'])} sites came out "
-                                        f"of the step, {len(stats_sites)} were expected: a "
-                                        "container the statistics cannot pass through; please "
-                                        "report it")
-                    write_step(rd.site_stats, i, stats)
-                else:
-                    state, metrics = stepper.plain(state, batch)
+                state, metrics = stepper(rd, i, state, to_device(workload.batch(i)))
                 pending.append({"step": i, **scalar_metrics(metrics)})
                 if (i + 1) in wanted:
                     append_jsonl(rd.metrics_path, pending)
@@ -360,7 +409,4 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
             append_jsonl(rd.metrics_path, pending)
         finally:
             mgr.close()
-    evaluation = dict(workload.evaluate(state)) if workload.evaluate is not None else {}
-    atomic_write_json(rd.eval_path, {"step": steps, **{k: float(v) for k, v in evaluation.items()}})
-    return GoldenRun(str(rd.path), workload.name, steps, tuple(available_checkpoints(rd)),
-                     tuple(rd.golden_losses()), evaluation, resumed_from)
+    return state

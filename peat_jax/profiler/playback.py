@@ -28,11 +28,12 @@ from peat_jax.analyzer import analyze
 from peat_jax.check import REFERENCE_SPREAD_FACTOR
 from peat_jax.detector import Diagnosis, detect
 from peat_jax.errors import PeatError
+from peat_jax.precision import at_matmul_precision, with_callers_precision
 from peat_jax.profiler.campaign import Campaign, campaign_name, campaign_spec, open_campaign
 from peat_jax.profiler.golden import available_checkpoints, load_workload, restore
 from peat_jax.profiler.hostio import quiet, to_device
 from peat_jax.profiler.replay import Replay, Taps, error_line
-from peat_jax.profiler.rundir import PathLike, RunDir
+from peat_jax.profiler.rundir import PathLike, RunDir, recorded_precision
 from peat_jax.profiler.workload import Workload
 from peat_jax.sites import Site, Traced, Tracer, select
 from peat_jax.substitute import Candidate, Substitution, resolve
@@ -177,6 +178,9 @@ def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
         restart (`peat playback --cell-timeout` runs campaigns in a worker process and restarts
         it by itself).
 
+    The replay runs at the matmul precision the golden run recorded (`peat.profile`'s
+    ``precision``), so the golden replay is bitwise the golden step.
+
     A candidate that fails at a site (raises, returns the wrong shape or dtype, fails while
     running) is isolated: its cells are recorded with status "crashed" and the error message,
     and the other cells run. `PlaybackResult.summary()` counts them.
@@ -195,25 +199,26 @@ def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
     manifest = rd.manifest()
     wl = load_workload(manifest, workload)
     checkpoints = _checkpoints(rd, manifest, checkpoints)
-    state0 = _restore(rd, wl, checkpoints[0])
-    traced, chosen = _trace(wl, state0, checkpoints[0], substitution, sites, regions)
-    grid = [traced.sites[i] for i in chosen]
-    camp = open_campaign(rd, name or campaign_name(substitution), host=host,
-                         spec=campaign_spec(substitution, chosen.values(), grid, wl.name))
-    replay = Replay(traced, chosen, grid, jax.local_devices() if devices is None else devices)
-    run = _Run(campaign=camp, replay=replay, chosen=chosen, cell_timeout=cell_timeout,
-               total=len(checkpoints) * len(grid), progress=progress)
-    done = camp.done()
-    todo = camp.todo([(c, s.index) for c in checkpoints for s in grid], done)
-    spread: dict[int, float] = {}
-    for c in checkpoints:
-        mine = [s for s in grid if (c, s.index) in todo]
-        run.count += len(grid) - len(mine)  # resumed, or another host's
-        if mine:
-            state = state0 if c == checkpoints[0] else _restore(rd, wl, c)
-            spread[c] = _play_checkpoint(run, c, mine, state, to_device(wl.batch(c)))
-    cells = _in_order(checkpoints, grid, done, run.cells)
-    return PlaybackResult(cells, str(camp.path), replay.compiles(), spread)
+    with at_matmul_precision(recorded_precision(manifest)):  # as the golden run traced it
+        state0 = _restore(rd, wl, checkpoints[0])
+        traced, chosen = _trace(wl, state0, checkpoints[0], substitution, sites, regions)
+        grid = [traced.sites[i] for i in chosen]
+        camp = open_campaign(rd, name or campaign_name(substitution), host=host,
+                             spec=campaign_spec(substitution, chosen.values(), grid, wl.name))
+        replay = Replay(traced, chosen, grid, jax.local_devices() if devices is None else devices)
+        run = _Run(campaign=camp, replay=replay, chosen=chosen, cell_timeout=cell_timeout,
+                   total=len(checkpoints) * len(grid), progress=progress)
+        done = camp.done()
+        todo = camp.todo([(c, s.index) for c in checkpoints for s in grid], done)
+        spread: dict[int, float] = {}
+        for c in checkpoints:
+            mine = [s for s in grid if (c, s.index) in todo]
+            run.count += len(grid) - len(mine)  # resumed, or another host's
+            if mine:
+                state = state0 if c == checkpoints[0] else _restore(rd, wl, c)
+                spread[c] = _play_checkpoint(run, c, mine, state, to_device(wl.batch(c)))
+        cells = _in_order(checkpoints, grid, done, run.cells)
+        return PlaybackResult(cells, str(camp.path), replay.compiles(), spread)
 
 
 class CellTimeout(PeatError):
@@ -358,6 +363,7 @@ def _with_time_limit(fn, seconds: float):
     when it has not finished after `seconds`. A computation that hangs cannot be stopped from
     Python; the thread is left behind and the caller stops the campaign."""
     box: list[Any] = []
+    fn = with_callers_precision(fn)
     t = threading.Thread(target=lambda: box.append(_attempt(fn)), daemon=True, name="peat-cell")
     t.start()
     t.join(seconds)

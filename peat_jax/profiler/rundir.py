@@ -1,7 +1,8 @@
 """The run directory on disk: manifest, Orbax checkpoints, golden metrics, campaigns.
 
 Layout:
-  manifest.json               workload, config, seeds, versions, backend, device kind
+  manifest.json               workload, config, seeds, versions, backend, device kind, and the
+                               numerical `environment` (matmul precision, XLA_FLAGS, x64, CUDA)
   checkpoints/<step>/          Orbax checkpoints of the full train state before step <step>
   golden/metrics.jsonl         one JSON object per training step: {"step": i, "loss": ..., ...}
   golden/checkpoints.json      the run each checkpoint belongs to (workload, config, seed,
@@ -33,10 +34,12 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import jax
 
+from peat_jax import _jax
 from peat_jax.errors import PeatError
+from peat_jax.precision import current_matmul_precision
 
-__all__ = ["MANIFEST", "RunDir", "atomic_write_json", "append_jsonl", "read_jsonl", "environment",
-           "run_identity"]
+__all__ = ["MANIFEST", "RunDir", "atomic_write_json", "append_jsonl", "environment", "platform_info",
+           "read_jsonl", "recorded_precision", "run_identity"]
 
 MANIFEST = "manifest.json"
 # the manifest keys that say which run a directory holds (not "steps": a run may be extended)
@@ -155,8 +158,33 @@ def run_identity(manifest: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def environment() -> dict[str, Any]:
-    """Versions, backend, device kind and an `environment` object (default matmul precision,
-    XLA_FLAGS, x64; CUDA and cuDNN wheel versions on a GPU), for the manifest."""
+    """What the numbers of a run depend on besides its code, for the manifest's
+    ``environment``: ``jax_default_matmul_precision`` (canonical name, None when unset: XLA's
+    default, TF32 for float32 dots on recent NVIDIA GPUs), ``xla_flags`` (the XLA_FLAGS in
+    force, "" when none), ``x64`` (jax_enable_x64), ``backend``, ``device_kind``, and on a GPU
+    ``cuda_version`` / ``cudnn_version`` (integers, e.g. 12080; None where jaxlib does not say)
+    and ``compute_capability``. Call it inside the run's `jax.default_matmul_precision`."""
+    dev = jax.devices()[0]
+    env = {"jax_default_matmul_precision": current_matmul_precision(),
+           "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "x64": bool(jax.config.jax_enable_x64),
+           "backend": jax.default_backend(),
+           "device_kind": getattr(dev, "device_kind", str(dev))}
+    if env["backend"] == "gpu":
+        env.update(_jax.cuda_versions())
+        env["compute_capability"] = getattr(dev, "compute_capability", None)
+    return env
+
+
+def recorded_precision(manifest: Mapping[str, Any]) -> Optional[str]:
+    """The matmul precision a golden run trained at (its manifest's environment), for replays:
+    None for a run that did not set one (or was written before the manifest recorded it)."""
+    return (manifest.get("environment") or {}).get("jax_default_matmul_precision")
+
+
+def platform_info() -> dict[str, Any]:
+    """Package versions, Python's version and the device count, for the manifest's top level
+    (which also repeats `environment`'s backend and device kind)."""
     import importlib.metadata as md
 
     def version(pkg: str) -> Optional[str]:
@@ -165,22 +193,11 @@ def environment() -> dict[str, Any]:
         except md.PackageNotFoundError:
             return None
 
-    import os
-    dev = jax.devices()[0]
-    env = {"default_matmul_precision": str(jax.config.jax_default_matmul_precision),
-           "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           "x64": bool(jax.config.jax_enable_x64)}
-    if jax.default_backend() == "gpu":
-        env.update({k: version(p) for k, p in (("cuda", "nvidia-cuda-runtime-cu12"),
-                                               ("cudnn", "nvidia-cudnn-cu12"))})
     return {
         "versions": {p: version(p) for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint",
                                              "numpy", "peat_jax")},
         "python": platform.python_version(),
-        "backend": jax.default_backend(),
-        "device_kind": getattr(dev, "device_kind", str(dev)),
         "device_count": jax.device_count(),
-        "environment": env,
     }
 
 

@@ -14,11 +14,13 @@ import numpy as np
 
 from peat_jax import _jax, taxonomy
 from peat_jax.errors import PeatError
+from peat_jax.precision import at_matmul_precision
 from peat_jax.profiler.campaign import substitution_digest
 from peat_jax.profiler.golden import load_workload, restore, scalar_metrics, state_digest
 from peat_jax.profiler.hostio import quiet, to_device
 from peat_jax.profiler.nan_origin import NanOrigin, all_finite, step_nan_origin
-from peat_jax.profiler.rundir import PathLike, RunDir, atomic_write_json, run_identity
+from peat_jax.profiler.rundir import (PathLike, RunDir, atomic_write_json, recorded_precision,
+                                      run_identity)
 from peat_jax.profiler.workload import Workload
 from peat_jax.schedule import Schedule, inject
 from peat_jax.substitute import Substitution
@@ -269,6 +271,7 @@ def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substi
     When a step's loss or new state is non-finite (the first such step), that step is replayed
     from its input state, kept in memory, with every site watched: `nan_origin` names the first
     site whose output was non-finite (see `peat_jax.profiler.nan_origin`).
+    A run directory's training runs at the matmul precision its golden run recorded.
 
     Returns:
       A `RuntimeResult`.
@@ -282,6 +285,7 @@ def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substi
         raise PeatError("runtime needs a peat schedule (peat.every / peat.at_steps / "
                         f"peat.with_probability), got {type(schedule).__name__}")
     rd = store = None
+    precision = None
     if isinstance(run_dir_or_workload, Workload):
         if name is not None:
             raise PeatError("name= stores the result in a run directory; pass a run directory")
@@ -291,6 +295,7 @@ def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substi
     else:
         rd = RunDir(run_dir_or_workload)
         m = rd.manifest()
+        precision = recorded_precision(m)
         wl = load_workload(m, workload)
         golden = rd.golden_losses()
         if steps > len(golden):
@@ -314,23 +319,24 @@ def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substi
         losses, origin, searched = list(resumed.losses), resumed.origin, resumed.searched
         if resumed.done < steps:
             state = store.restore(resumed, state0)
-    for i in range(len(losses), steps):
-        batch = to_device(wl.batch(i))
-        new, metrics = step_fn(state, batch, i)
-        losses.append(scalar_metrics(metrics)["loss"])
-        if not searched and not (np.isfinite(losses[-1]) and all_finite(new)):
-            origin = step_nan_origin(wl.train_step, state, batch, i, substitution=substitution,
-                                     schedule=schedule, regions=regions)
-            searched = True
-        state = new
-        if plain is not None:
-            gstate, gm = plain(gstate, batch)
-            golden_run.append(scalar_metrics(gm)["loss"])
-        if store is not None and ((i + 1) % chunk == 0 or i + 1 == steps):
-            store.save(Progress(done=i + 1, losses=tuple(losses), origin=origin,
-                                searched=searched, sha256=state_digest(state)), state)
-        if progress is not None:
-            progress(i + 1, steps)
+    with at_matmul_precision(precision):  # a run directory's: as its golden run trained
+        for i in range(len(losses), steps):
+            batch = to_device(wl.batch(i))
+            new, metrics = step_fn(state, batch, i)
+            losses.append(scalar_metrics(metrics)["loss"])
+            if not searched and not (np.isfinite(losses[-1]) and all_finite(new)):
+                origin = step_nan_origin(wl.train_step, state, batch, i, substitution=substitution,
+                                         schedule=schedule, regions=regions)
+                searched = True
+            state = new
+            if plain is not None:
+                gstate, gm = plain(gstate, batch)
+                golden_run.append(scalar_metrics(gm)["loss"])
+            if store is not None and ((i + 1) % chunk == 0 or i + 1 == steps):
+                store.save(Progress(done=i + 1, losses=tuple(losses), origin=origin,
+                                    searched=searched, sha256=state_digest(state)), state)
+            if progress is not None:
+                progress(i + 1, steps)
     golden = golden if golden is not None else golden_run
     fired = schedule.fired_steps(range(steps))
     outcome, band, ev = classify_outcome(losses, golden, fired)

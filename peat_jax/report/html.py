@@ -57,7 +57,21 @@ def _manifest_section(m: dict) -> str:
             ("checkpoint every", m.get("checkpoint_every")), ("backend", m.get("backend")),
             ("device kind", m.get("device_kind")), ("versions", versions),
             ("created", m.get("created"))]
-    return "<h2>Run</h2>" + _table(rows)
+    return "<h2>Run</h2>" + _table(rows + _environment_rows(m.get("environment")))
+
+
+def _environment_rows(env) -> list[tuple[str, Any]]:
+    """The manifest's numerical environment as table rows (none for a run written before the
+    manifest had one): the matmul precision ("unset" = XLA's default: TF32 for float32 dots on
+    recent NVIDIA GPUs), XLA_FLAGS, x64, and the CUDA / cuDNN versions on a GPU."""
+    if not isinstance(env, dict):
+        return []
+    rows = [("matmul precision", env.get("jax_default_matmul_precision") or "unset (XLA default)"),
+            ("XLA_FLAGS", env.get("xla_flags") or "(none)"), ("x64", env.get("x64"))]
+    rows += [(label, env[k]) for k, label in (("cuda_version", "CUDA"), ("cudnn_version", "cuDNN"),
+                                              ("compute_capability", "compute capability"))
+             if k in env]
+    return rows
 
 
 def _playback_section(name: str, records: list[dict]) -> str:

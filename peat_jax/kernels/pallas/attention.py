@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from peat_jax.kernels._support import check_block, fit_block, float_reason, next_pow2, region_args
+from peat_jax.kernels._support import (check_block, dot_precision, fit_block, float_reason,
+                                       next_pow2, precision_suffix, region_args)
 from peat_jax.kernels.base import Kernel
 from peat_jax.kernels.pallas import interpret as _interp
 from peat_jax.kernels.pallas.interpret import Checks
@@ -42,12 +43,13 @@ class _Config:
     block_k: int
     interpret: Optional[bool]
     checks: Optional[_interp.InterpretChecks]
+    precision: lax.Precision = lax.Precision.HIGHEST
 
 
-def _dot(a, b, trans_a: bool = False, trans_b: bool = False):
-    """2-D `a @ b` (optionally transposed operands) accumulated in float32."""
+def _dot(a, b, precision: lax.Precision, trans_a: bool = False, trans_b: bool = False):
+    """2-D `a @ b` (optionally transposed operands) at `precision`, accumulated in float32."""
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _mask(qi, kj, kv_len: int, causal: bool):
@@ -64,7 +66,8 @@ def _kv_blocks(q_block: int, bq: int, bk: int, nk: int, causal: bool):
     return jnp.minimum(nk, ((q_block + 1) * bq + bk - 1) // bk)
 
 
-def _fwd_body(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, kv_len, bq, bk, nk):
+def _fwd_body(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, kv_len, bq, bk, nk,
+              precision):
     i = pl.program_id(2)
     q = q_ref[...]
     qi = i * bq + lax.broadcasted_iota(jnp.int32, (bq,), 0)
@@ -74,14 +77,14 @@ def _fwd_body(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, kv_len, bq,
         start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
-        s = _dot(q, k, trans_b=True) * scale
+        s = _dot(q, k, precision, trans_b=True) * scale
         kj = start + lax.broadcasted_iota(jnp.int32, (bk,), 0)
         s = jnp.where(_mask(qi, kj, kv_len, causal), s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, precision)
         return m_new, l, acc
 
     init = (jnp.full((bq,), _MASKED, jnp.float32), jnp.zeros((bq,), jnp.float32),
@@ -92,7 +95,7 @@ def _fwd_body(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, kv_len, bq,
 
 
 def _dq_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, kv_len,
-             bq, bk, nk):
+             bq, bk, nk, precision):
     i = pl.program_id(2)
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
@@ -103,11 +106,11 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, 
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
         kj = start + lax.broadcasted_iota(jnp.int32, (bk,), 0)
-        s = _dot(q, k, trans_b=True) * scale
+        s = _dot(q, k, precision, trans_b=True) * scale
         p = jnp.where(_mask(qi, kj, kv_len, causal), jnp.exp(s - lse[:, None]), 0.0)
-        dp = _dot(do, v, trans_b=True)
+        dp = _dot(do, v, precision, trans_b=True)
         ds = p * (dp - delta[:, None])
-        return dq + _dot(ds.astype(k.dtype), k)
+        return dq + _dot(ds.astype(k.dtype), k, precision)
 
     dq = lax.fori_loop(0, _kv_blocks(i, bq, bk, nk, causal), step,
                        jnp.zeros(dq_ref.shape, jnp.float32))
@@ -115,7 +118,7 @@ def _dq_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, 
 
 
 def _dkv_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal,
-              kv_len, bq, bk, nq):
+              kv_len, bq, bk, nq, precision):
     j = pl.program_id(2)
     k, v = k_ref[...], v_ref[...]
     kj = j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
@@ -128,12 +131,12 @@ def _dkv_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *
         lse = lse_ref[pl.ds(start, bq)]
         delta = delta_ref[pl.ds(start, bq)]
         qi = start + lax.broadcasted_iota(jnp.int32, (bq,), 0)
-        s = _dot(q, k, trans_b=True) * scale
+        s = _dot(q, k, precision, trans_b=True) * scale
         p = jnp.where(_mask(qi, kj, kv_len, causal), jnp.exp(s - lse[:, None]), 0.0)
-        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-        dp = _dot(do, v, trans_b=True)
+        dv = dv + _dot(p.astype(do.dtype), do, precision, trans_a=True)
+        dp = _dot(do, v, precision, trans_b=True)
         ds = p * (dp - delta[:, None])
-        dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+        dk = dk + _dot(ds.astype(q.dtype), q, precision, trans_a=True)
         return dk, dv
 
     first = (j * bk) // bq if causal else 0
@@ -182,7 +185,7 @@ def _forward(q, k, v, cfg: _Config):
     nq, nk = g.q_pad // g.bq, g.kv_pad // g.bk
     o, lse = _interp.call(
         functools.partial(_fwd_body, scale=g.scale, causal=cfg.causal, kv_len=g.kv_len,
-                          bq=g.bq, bk=g.bk, nk=nk),
+                          bq=g.bq, bk=g.bk, nk=nk, precision=cfg.precision),
         out_shape=(jax.ShapeDtypeStruct((g.batch, g.q_pad, g.heads, g.d_pad), q.dtype),
                    jax.ShapeDtypeStruct((g.batch, g.heads, g.q_pad), jnp.float32)),
         grid=(g.batch, g.heads, nq),
@@ -202,8 +205,10 @@ def _backward(q, k, v, o_pad, lse, do, cfg: _Config):
     nq, nk = g.q_pad // g.bq, g.kv_pad // g.bk
     qp, kp, vp = _pad(q, g.q_pad, g.d_pad), _pad(k, g.kv_pad, g.d_pad), _pad(v, g.kv_pad, g.d_pad)
     dop = _pad(do.astype(q.dtype), g.q_pad, g.d_pad)
-    delta = jnp.einsum("bqhd,bqhd->bhq", o_pad.astype(jnp.float32), dop.astype(jnp.float32))
-    common = dict(scale=g.scale, causal=cfg.causal, kv_len=g.kv_len, bq=g.bq, bk=g.bk)
+    delta = jnp.einsum("bqhd,bqhd->bhq", o_pad.astype(jnp.float32), dop.astype(jnp.float32),
+                       precision=cfg.precision)
+    common = dict(scale=g.scale, causal=cfg.causal, kv_len=g.kv_len, bq=g.bq, bk=g.bk,
+                  precision=cfg.precision)
     sem = ("parallel", "parallel", "parallel")
     dq = _interp.call(
         functools.partial(_dq_body, nk=nk, **common),
@@ -251,19 +256,21 @@ def _attention_bwd(cfg, res, do):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _config(causal, sm_scale, block_q, block_k, interpret, checks) -> _Config:
+def _config(causal, sm_scale, block_q, block_k, interpret, checks, precision) -> _Config:
     _interp.validate_interpret(interpret, checks)
     return _Config(bool(causal), None if sm_scale is None else float(sm_scale),
                    check_block("block_q", block_q), check_block("block_k", block_k), interpret,
-                   _interp.normalize_checks(checks))
+                   _interp.normalize_checks(checks), dot_precision(precision))
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
               sm_scale: Optional[float] = None, block_q: int = 32, block_k: int = 32,
-              interpret: Optional[bool] = None, checks: Checks = None) -> jax.Array:
-    """Differentiable Pallas flash attention; q `[B, Tq, H, D]`, k/v `[B, Tk, H, D]`. Returns
-    `[B, Tq, H, D]` in q's dtype."""
-    return _attention(q, k, v, _config(causal, sm_scale, block_q, block_k, interpret, checks))
+              interpret: Optional[bool] = None, checks: Checks = None,
+              precision: Any = "highest") -> jax.Array:
+    """Differentiable Pallas flash attention; q `[B, Tq, H, D]`, k/v `[B, Tk, H, D]`, its dots
+    at `precision` (as for `pallas_attention`). Returns `[B, Tq, H, D]` in q's dtype."""
+    return _attention(q, k, v, _config(causal, sm_scale, block_q, block_k, interpret, checks,
+                                       precision))
 
 
 def attention_supports(name: str, site, *, causal: bool) -> Optional[str]:
@@ -293,7 +300,7 @@ def attention_supports(name: str, site, *, causal: bool) -> Optional[str]:
 
 def pallas_attention(causal: bool = False, *, sm_scale: Optional[float] = None,
                      block_q: int = 32, block_k: int = 32, interpret: Optional[bool] = None,
-                     checks: Checks = None) -> Kernel:
+                     checks: Checks = None, precision: Any = "highest") -> Kernel:
     """A `peat.Kernel` for a region `attention(q, k, v)` laid out like Flax's
     `nn.dot_product_attention` (`[batch, seq, heads, head_dim]`, no mask argument).
 
@@ -302,13 +309,18 @@ def pallas_attention(causal: bool = False, *, sm_scale: Optional[float] = None,
       sm_scale: logits scale; None for `1/sqrt(head_dim)` (Flax's).
       block_q, block_k: query/key block sizes (powers of two).
       interpret, checks: see `peat_jax.kernels.pallas.interpret`.
+      precision: the precision of every dot (q k^T, p v and the backward's), as for
+        `pallas_matmul`: "highest" (default, full float32), "high" or "default" (Triton's
+        default: TF32 on recent NVIDIA GPUs). On a GPU a full-float32 dot may need smaller
+        blocks.
 
     Returns:
       A Kernel returning q's shape and dtype; forward (online softmax, float32 statistics) and
       backward (dq kernel, dk/dv kernel) in Pallas.
     """
-    cfg = _config(causal, sm_scale, block_q, block_k, interpret, checks)
+    cfg = _config(causal, sm_scale, block_q, block_k, interpret, checks, precision)
     name = (f"pallas_attention(causal={cfg.causal}, block_q={cfg.block_q}, "
-            f"block_k={cfg.block_k}{', checked' if cfg.checks else ''})")
+            f"block_k={cfg.block_k}{precision_suffix(cfg.precision)}"
+            f"{', checked' if cfg.checks else ''})")
     return Kernel(name, lambda q, k, v: _attention(q, k, v, cfg),
                   supports=lambda site: attention_supports(name, site, causal=cfg.causal))

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from peat_jax.kernels._support import check_block, dot_general_float_support, fit_block
+from peat_jax.kernels._support import (check_block, dot_general_float_support, dot_precision,
+                                       fit_block, precision_suffix)
 from peat_jax.kernels.base import Kernel
 from peat_jax.kernels.matmul import dot_general
 from peat_jax.kernels.pallas import interpret as _interp
@@ -35,14 +36,15 @@ class _Config:
     block_k: int
     interpret: Optional[bool]
     checks: Optional[_interp.InterpretChecks]
+    precision: lax.Precision = lax.Precision.HIGHEST
 
 
-def _body(a_ref, b_ref, o_ref, *, block_k: int, k_steps: int):
+def _body(a_ref, b_ref, o_ref, *, block_k: int, k_steps: int, precision: lax.Precision):
     def step(kk, acc):
         start = pl.multiple_of(kk * block_k, block_k)
         a = a_ref[:, pl.ds(start, block_k)]
         b = b_ref[pl.ds(start, block_k), :]
-        return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
 
     acc = lax.fori_loop(0, k_steps, step, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
@@ -69,7 +71,7 @@ def _matmul3(a: jax.Array, b: jax.Array, cfg: _Config) -> jax.Array:
     a = _pad_to(a.astype(dtype), (nb, mp, kp))
     b = _pad_to(b.astype(dtype), (nb, kp, np_))
     run = _interp.call(
-        functools.partial(_body, block_k=bk, k_steps=kp // bk),
+        functools.partial(_body, block_k=bk, k_steps=kp // bk, precision=cfg.precision),
         out_shape=jax.ShapeDtypeStruct((nb, mp, np_), jnp.float32),
         grid=(nb, mp // bm, np_ // bn),
         in_specs=[pl.BlockSpec((None, bm, kp), lambda g, i, j: (g, i, 0)),
@@ -101,10 +103,12 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def matmul(a: jax.Array, b: jax.Array, *, block_m: int = 32, block_n: int = 32, block_k: int = 32,
-           interpret: Optional[bool] = None, checks: Checks = None) -> jax.Array:
+           interpret: Optional[bool] = None, checks: Checks = None,
+           precision: Any = "highest") -> jax.Array:
     """Differentiable Pallas matmul of `a[..., M, K]` and `b[..., K, N]` (equal leading batch
-    dims, or none). Returns float32 `[..., M, N]` (accumulated in float32)."""
-    cfg = _config(block_m, block_n, block_k, interpret, checks)
+    dims, or none), its dots at `precision` (as for `pallas_matmul`). Returns float32
+    `[..., M, N]` (accumulated in float32)."""
+    cfg = _config(block_m, block_n, block_k, interpret, checks, precision)
     if a.ndim == 2:
         return _matmul(a[None], b[None], cfg)[0]
     lead = a.shape[:-2]
@@ -112,14 +116,16 @@ def matmul(a: jax.Array, b: jax.Array, *, block_m: int = 32, block_n: int = 32, 
     return out.reshape(lead + out.shape[-2:])
 
 
-def _config(block_m, block_n, block_k, interpret, checks) -> _Config:
+def _config(block_m, block_n, block_k, interpret, checks, precision) -> _Config:
     _interp.validate_interpret(interpret, checks)
     return _Config(check_block("block_m", block_m), check_block("block_n", block_n),
-                   check_block("block_k", block_k), interpret, _interp.normalize_checks(checks))
+                   check_block("block_k", block_k), interpret, _interp.normalize_checks(checks),
+                   dot_precision(precision))
 
 
 def pallas_matmul(block_m: int = 32, block_n: int = 32, block_k: int = 32, *,
-                  interpret: Optional[bool] = None, checks: Checks = None) -> Kernel:
+                  interpret: Optional[bool] = None, checks: Checks = None,
+                  precision: Any = "highest") -> Kernel:
     """A `peat.Kernel` for any floating-point `dot_general` site: the blocked Pallas matmul.
 
     Args:
@@ -129,14 +135,22 @@ def pallas_matmul(block_m: int = 32, block_n: int = 32, block_k: int = 32, *,
       interpret: None (interpret on CPU, compile elsewhere), True or False.
       checks: interpreter checks (`True` or `peat.kernels.pallas.InterpretChecks`); see
         `peat_jax.kernels.pallas.interpret`.
+      precision: the precision of the dots inside the kernel, forward and backward: "highest"
+        (default: full float32, so the kernel matches a full-float32 reference on a GPU too),
+        "high" or "default" (Triton's default: TF32 for float32 operands on recent NVIDIA GPUs,
+        which `peat.check_kernel` names ``reduced_precision``), jax's other names for them or
+        a `jax.lax.Precision`. Nothing changes in interpret mode on CPU. On a GPU a full-float32
+        dot in Triton is slower and needs more registers and shared memory per block: with large
+        blocks, a smaller `block_k` (e.g. 16) may be needed.
 
     Returns:
       A Kernel for `dot_general` sites with float32, bfloat16 or float16 operands; forward and
       backward (the same Pallas matmul on the transposed problems) accumulate in float32, and the
       result is cast to the site's `preferred_element_type`.
     """
-    cfg = _config(block_m, block_n, block_k, interpret, checks)
+    cfg = _config(block_m, block_n, block_k, interpret, checks, precision)
     name = (f"pallas_matmul(block_m={cfg.block_m}, block_n={cfg.block_n}, "
-            f"block_k={cfg.block_k}{', checked' if cfg.checks else ''})")
+            f"block_k={cfg.block_k}{precision_suffix(cfg.precision)}"
+            f"{', checked' if cfg.checks else ''})")
     kernel = dot_general(lambda a, b: _matmul(a, b, cfg), name=name, batched=True)
     return dataclasses.replace(kernel, supports=dot_general_float_support(name))
