@@ -387,7 +387,8 @@ def cmd_check(args) -> int:
         def candidate(a, b):
             return kernel(a, b, **params)
 
-    diag = peat.check_kernel(candidate, reference, *xs, allow=tuple(args.allow or ()))
+    diag = peat.check_kernel(candidate, reference, *xs, allow=tuple(args.allow or ()),
+                             conditioning=args.conditioning)
     if args.json:
         print(json.dumps(_diag_json(diag)))
     else:
@@ -560,6 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "attention)")
     ck.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ck.add_argument("--allow", action="append", help="an error model to accept (repeatable)")
+    ck.add_argument("--no-conditioning", dest="conditioning", action="store_false",
+                    help="the noise floor alone: no conditioning floor (the float64 reference "
+                         "on inputs perturbed at 1 ULP)")
     common(ck)
     ck.set_defaults(func=cmd_check)
 
