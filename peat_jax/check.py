@@ -23,7 +23,8 @@ from peat_jax.errors import PeatError
 from peat_jax.formats import float_format, round_to_format
 from peat_jax.precision import at_matmul_precision, matmul_precision
 
-__all__ = ["REFERENCE_SPREAD_FACTOR", "VARIANTS", "check_kernel", "make_variant"]
+__all__ = ["CONDITIONING_PERTURBATIONS", "REFERENCE_SPREAD_FACTOR", "VARIANTS", "check_kernel",
+           "make_variant", "perturb_inputs"]
 
 VARIANTS: tuple[str, ...] = ("example", "large", "tiny", "near_overflow", "subnormal", "zeros",
                              "outliers", "odd_shape")
@@ -294,12 +295,13 @@ def _outputs_again(fn, run: _Run, what: str) -> dict[str, Any]:
     return outs
 
 
-def _reference64(reference, run: _Run) -> dict[str, Any]:
-    """The reference's outputs in float64 (by output name): empty when it cannot run there (it
+def _reference64(reference, run: _Run, args64=None) -> dict[str, Any]:
+    """The reference's outputs in float64 (by output name) on the run's inputs (or on
+    `args64`, float64 host arrays of the same structure): empty when it cannot run there (it
     raises, or returns a narrower float); without the gradients when only they are narrower."""
     try:
         with jax.enable_x64(True):
-            a64 = _to_jax(_as64(run.args))
+            a64 = _to_jax(_as64(run.args) if args64 is None else args64)
             if run.positions:
                 ct64 = jax.tree.map(
                     lambda c: jnp.asarray(c, jnp.float64) if jnp.issubdtype(
@@ -316,6 +318,55 @@ def _reference64(reference, run: _Run) -> dict[str, Any]:
     if grads is None or not _all_f64(grads):
         return {"forward": out}
     return {"forward": out, **dict(zip(_grad_names(run.positions), grads))}
+
+
+CONDITIONING_PERTURBATIONS = 3
+"""Random input perturbations the conditioning floor is measured over."""
+
+
+def perturb_inputs(args, rng: np.random.Generator):
+    """`args` in float64 with every float leaf x (of dtype d) moved to ``x * (1 + u * eps_d /
+    2)``, u uniform in [-1, 1] per element: at most the unit roundoff of d relative, so at
+    most 1 ULP of d (half an ULP at the bottom of a binade); zeros stay zero. Other leaves are
+    kept. Returns host arrays (float64 for the float leaves)."""
+    def one(x):
+        if not _is_float_leaf(x):
+            return x
+        xn = _np(x)
+        half_eps = 2.0 ** -(float_format(xn.dtype).mantissa_bits + 1)
+        u = rng.uniform(-1.0, 1.0, xn.shape)
+        return xn.astype(np.float64) * (1.0 + u * half_eps)
+    return jax.tree.map(one, args)
+
+
+def _spread(base, moved) -> Any:
+    """|moved - base| per element of every float leaf (float64; 0 where either is not
+    finite)."""
+    def one(b, m):
+        b, m = np.asarray(b, np.float64), np.asarray(m, np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = np.abs(m - b)
+        return np.where(np.isfinite(d), d, 0.0)
+    return jax.tree.map(one, base, moved)
+
+
+def _conditioning(reference, run: _Run, ref64: dict[str, Any], seed: int) -> dict[str, Any]:
+    """{output: conditioning spread} for the outputs with a float64 reference: per element,
+    max over `CONDITIONING_PERTURBATIONS` random perturbations (`perturb_inputs`) of the
+    float64 reference's move, output units. Gradients use the same cotangent. Empty when the
+    perturbed reference does not run in float64."""
+    if not ref64:
+        return {}
+    rng = np.random.default_rng(seed)
+    worst: dict[str, Any] = {}
+    for _ in range(CONDITIONING_PERTURBATIONS):
+        moved = _reference64(reference, run, perturb_inputs(run.args, rng))
+        if set(moved) != set(ref64):
+            return {}
+        for o, m in moved.items():
+            d = _spread(ref64[o], m)
+            worst[o] = d if o not in worst else jax.tree.map(np.maximum, worst[o], d)
+    return worst
 
 
 # ----------------------------------------------------------------------------------------------
@@ -336,6 +387,7 @@ class _Options:
     rtol: Optional[float]
     reduction_length: Optional[int]
     noise_factor: float
+    conditioning: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,19 +422,23 @@ def _forgive(candidate, golden, atol: Optional[float], rtol: Optional[float]):
     return jax.tree.map(one, candidate, golden)
 
 
-def _diagnose(cand, gold, ref64, opts: _Options, comparison: str = "golden") -> Diagnosis:
+def _diagnose(cand, gold, ref64, opts: _Options, comparison: str = "golden",
+              conditioning=None) -> Diagnosis:
     cand = _forgive(cand, gold, opts.atol, opts.rtol)
     sig = analyze(cand, gold, ref64, reduction_length=opts.reduction_length,
-                  noise_factor=opts.noise_factor, comparison=comparison)
+                  noise_factor=opts.noise_factor, comparison=comparison,
+                  conditioning=conditioning)
     return detect(sig, allow=opts.allow)
 
 
-def _comparisons(reference, run: _Run, opts: _Options) -> list[_Check]:
+def _comparisons(reference, run: _Run, opts: _Options, seed: int) -> list[_Check]:
     """Candidate against reference for every output of the run, with the float64 reference as
-    the noise floor where it exists."""
+    the noise floor where it exists, and its spread under 1-ULP input perturbations as the
+    conditioning floor (unless ``opts.conditioning`` is off)."""
     ref64 = _reference64(reference, run)
+    cond = _conditioning(reference, run, ref64, seed) if opts.conditioning else {}
     return [_Check(run.variant, output, _diagnose(run.candidate[output], gold, ref64.get(output),
-                                                  opts))
+                                                  opts, conditioning=cond.get(output)))
             for output, gold in run.reference.items()]
 
 
@@ -520,6 +576,11 @@ def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
                                             for (v, o), s in spread.items()}
         note = (f"; note: the reference itself is nondeterministic (run-to-run max |diff| up to "
                 f"{max(s.reference for s in spread.values()):.3g})")
+    conditioned = _conditioned(checks)
+    if conditioned:
+        ev["conditioned_checks"] = conditioned
+        note += (f"; {len(conditioned)} passing checks are within the problem's conditioning "
+                 "rather than the reference's own error")
     ev["origin"] = {"variant": worst.variant, "output": worst.output}
     ev["reference_precision"] = precision
     if d.model in ("reduced_precision", "low_precision_accumulation"):
@@ -534,6 +595,13 @@ def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
             else f" ({len(checks)} checks)")
     return Diagnosis(model=d.model, passed=d.passed, confidence=d.confidence, evidence=ev,
                      summary=d.summary + where + tail + note)
+
+
+def _conditioned(checks: Sequence[_Check]) -> list[str]:
+    """The passing checks ("output on variant") that the conditioning floor made pass: elements
+    beyond the noise floor within it."""
+    return [f"{c.output} on {c.variant}" for c in checks if c.diagnosis.passed and
+            (c.diagnosis.evidence.get("conditioning_floor") or {}).get("decisive", 0) > 0]
 
 
 def _max_difference(a, b) -> float:
@@ -591,7 +659,8 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
                  variants: Union[None, str, Sequence[str]] = None, seed: int = 0,
                  backward: bool = True, atol: Optional[float] = None,
                  rtol: Optional[float] = None, reduction_length: Optional[int] = None,
-                 noise_factor: float = 4.0, reference_precision: Any = "highest") -> Diagnosis:
+                 noise_factor: float = 4.0, reference_precision: Any = "highest",
+                 conditioning: bool = True) -> Diagnosis:
     """Check `candidate` against `reference` (plain callables with the same signature).
 
     For every input variant (`make_variant`): both run on the same inputs; the outputs are
@@ -627,6 +696,12 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
         TF32), "high", "default" (what the program would do), jax's other names for them
         ("float32", "tensorfloat32", "bfloat16") or a `jax.lax.Precision`. The candidate runs
         as written.
+      conditioning: with a float64 reference, also evaluate it on
+        `CONDITIONING_PERTURBATIONS` (3) random perturbations of the inputs at their dtype's
+        last bit (`perturb_inputs`; gradients with the same cotangent) and pass the
+        element-wise spread to `analyze` as the conditioning floor: a candidate within what the
+        problem's conditioning allows passes whatever its algorithm. False: the noise floor
+        alone (3 fewer float64 evaluations per variant).
 
     Returns:
       The worst `Diagnosis` over all checks. ``evidence["origin"]`` is ``{"variant": ...,
@@ -645,7 +720,7 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     precision = matmul_precision(reference_precision, "reference_precision")
     reference = _Pinned(reference, precision)
     opts = _Options(allow=tuple(allow), atol=atol, rtol=rtol, reduction_length=reduction_length,
-                    noise_factor=noise_factor)
+                    noise_factor=noise_factor, conditioning=bool(conditioning))
     example_args = _to_jax(tuple(example_args))
     positions = _float_positions(example_args) if backward else ()
     key = jax.random.key(seed)
@@ -664,7 +739,7 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
             skipped[name] = run
             continue
         runs[name] = run
-        checks += _comparisons(reference, run, opts)
+        checks += _comparisons(reference, run, opts, seed + vi)
         if repeats > 1 and (name == "example" or spread):
             # once the reference differs from itself, every later variant measures how much
             spread.update(_reference_spread(reference, run))

@@ -411,7 +411,8 @@ def cmd_check(args) -> int:
             return kernel(a, b, **params)
 
     diag = peat.check_kernel(candidate, reference, *xs, allow=tuple(args.allow or ()),
-                             reference_precision=args.reference_precision)
+                             reference_precision=args.reference_precision,
+                             conditioning=args.conditioning)
     if args.json:
         print(json.dumps(_diag_json(diag)))
     else:
@@ -625,6 +626,9 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--reference-precision", choices=list(MATMUL_PRECISIONS), default="highest",
                     help="matmul precision of the XLA reference (default highest: full float32; "
                          "'default' is what the program would do, TF32 on recent GPUs)")
+    ck.add_argument("--no-conditioning", dest="conditioning", action="store_false",
+                    help="the noise floor alone: no conditioning floor (the float64 reference "
+                         "on inputs perturbed at 1 ULP)")
     common(ck)
     ck.set_defaults(func=cmd_check)
 

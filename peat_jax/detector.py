@@ -29,7 +29,7 @@ import numpy as np
 from peat_jax import taxonomy
 from peat_jax.analyzer import Signature
 from peat_jax.errors import PeatError
-from peat_jax.formats import bit_class, float_format, narrow_formats_like
+from peat_jax.formats import bit_class, float_format, narrow_formats_like, ulp_at
 
 __all__ = ["Diagnosis", "MODELS", "PASSING", "RULES", "Rule", "detect", "format_phrase", "narrowed",
            "severity"]
@@ -233,7 +233,21 @@ def _numerical_noise(s: Signature) -> Optional[_Match]:
              else f"the {s.dtype} bound")
     return _Match(ev, conf, f"{c.mismatched} of {c.elements} elements differ, all within the "
                             f"noise floor (max {_g(s.errors.max_floor_ratio)}x the floor set "
-                            f"by {basis}; max {s.errors.max_ulp} ULP)")
+                            f"by {basis}; max {s.errors.max_ulp} ULP)"
+                            f"{_conditioning_note(nz)}")
+
+
+def _conditioning_note(nz) -> str:
+    """The summary's words on the conditioning floor when it made a difference (it passed
+    elements beyond the noise floor, or took elements out of the distribution test)."""
+    k = None if nz is None else nz.conditioning
+    if k is None or (k.decisive == 0 and k.dominant == 0):
+        return ""
+    passed = (f"{k.decisive} elements beyond the noise floor are" if k.decisive
+              else "the errors are")
+    return (f", {passed} within the problem's conditioning (inputs perturbed at 1 ULP move the "
+            f"float64 result by up to {_g(k.max_spread)}; that floor is up to "
+            f"{_g(k.max_ratio)}x the noise floor)")
 
 
 def _stuck_pattern(s: Signature) -> Optional[tuple[int, int]]:
@@ -282,10 +296,22 @@ def _stuck_at(s: Signature) -> Optional[_Match]:
                            f"{c.elements} elements (stuck-at-{value} pattern)")
 
 
+def _rounding_reach(s: Signature, golden: float) -> float:
+    """How far rounding reaches at an element of golden value `golden` (output units): F ULPs
+    of the golden's dtype at the larger of the tensor's scale (rms of the golden) and the
+    element's own magnitude. A computation at that scale (a sum of terms of that size that
+    cancels, say) rounds by about this much, whatever the element's own value."""
+    factor = s.noise.factor if s.noise is not None else 4.0
+    scale = max(s.noise.rms_golden if s.noise is not None else 0.0, abs(golden))
+    return factor * ulp_at(scale if math.isfinite(scale) else 0.0, float_format(s.dtype))
+
+
 def _bit_flip(s: Signature) -> Optional[_Match]:
     """Isolated significant elements (all listed), each the golden with exactly one bit flipped:
     differing in exactly one bit or, when other elements differ within the noise floor, turned
-    back within twice its floor of the golden by flipping one bit."""
+    back within twice its floor of the golden by flipping one bit; and each flip above what
+    rounding at the tensor's scale reaches (|c - g| > F ULPs at max(rms(g), |g|),
+    `_rounding_reach`): a tiny error after cancellation is not a flipped bit."""
     c = s.counts
     if c.significant == 0 or s.bits is None:
         return None
@@ -297,11 +323,17 @@ def _bit_flip(s: Signature) -> Optional[_Match]:
         if len(hb) != 1:
             return None
         flips.append((w, hb[0]))
+    reach = [_rounding_reach(s, w.golden) for w, _ in flips]
+    if not all(abs(w.candidate - w.golden) > r or not math.isfinite(w.candidate)
+               for (w, _), r in zip(flips, reach)):
+        return None
     w, bit = flips[0]
     cls = bit_class(bit, s.dtype)
     ev = {"pattern": "isolated", "elements": [list(x.index) for x, _ in flips],
           "bits": [b for _, b in flips], "bit": bit, "bit_class": cls,
-          "candidate": w.candidate, "golden": w.golden}
+          "candidate": w.candidate, "golden": w.golden,
+          "flip_sizes": [abs(x.candidate - x.golden) for x, _ in flips],
+          "rounding_reach": reach}
     more = f" (+{len(flips) - 1} more elements)" if len(flips) > 1 else ""
     return _Match(ev, 1.0, f"one bit differs at {_idx(w)}: bit {bit} ({cls}), {_g(w.golden)} -> "
                            f"{_g(w.candidate)}{more}")
@@ -721,6 +753,9 @@ def _detect_leaf(s: Signature, allow: frozenset) -> Diagnosis:
         ev = dict(m.evidence)
         ev["rule"] = rule.name
         ev.setdefault("max_floor_ratio", s.errors.max_floor_ratio)
+        k = None if s.noise is None else s.noise.conditioning
+        if k is not None:
+            ev["conditioning_floor"] = dataclasses.asdict(k)
         if s.path:
             ev["leaf"] = s.path
         if model in allow and model not in PASSING:

@@ -11,6 +11,7 @@ subnormals, and fast on XLA:CPU.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple, Optional
 
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ __all__ = [
     "narrow_formats_like",
     "round_to_format",
     "to_bits",
+    "ulp_at",
     "ulp_of_magnitude",
     "ulp_of_value",
 ]
@@ -203,6 +205,17 @@ def ulp_of_magnitude(mag, fmt: FloatFormat):
     field = (e << it(cf.mantissa_bits - fmt.mantissa_bits)) + it(offset)
     field = jnp.clip(field, it(1 << cf.mantissa_bits), it((2 * cf.bias) << cf.mantissa_bits))
     return lax.bitcast_convert_type(field.astype(cf.wide_uint), cf.compute_dtype)
+
+
+def ulp_at(x: float, fmt: FloatFormat) -> float:
+    """The spacing of `fmt` at the (host) value `x`, like `ulp_of_value`: ``2**(max(floor(log2
+    |x|), min_exponent) - mantissa_bits)``; the subnormal spacing for 0 and subnormal values.
+
+    Returns:
+      A Python float, in the units of `x`.
+    """
+    e = math.frexp(abs(float(x)))[1] - 1 if x and math.isfinite(x) else fmt.min_exponent
+    return math.ldexp(1.0, max(e, fmt.min_exponent) - fmt.mantissa_bits)
 
 
 def ulp_of_value(r, fmt: FloatFormat):

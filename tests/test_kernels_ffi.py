@@ -6,7 +6,6 @@ call."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import time
 

@@ -34,7 +34,8 @@ from peat_jax.analyzer.api import analyze
 from peat_jax.analyzer.noise import (DEFAULT_NOISE_FACTOR, DEFAULT_REDUCTION_LENGTH,
                                      DISTRIBUTION_ALLOWANCE, DISTRIBUTION_MIN_ELEMENTS,
                                      DTYPE_ULP_ALLOWANCE, FLOAT_DTYPES, NOISE_FREE_SHARE,
-                                     REFERENCE_ULP_ALLOWANCE, NoiseFloor, dtype_noise_bound)
+                                     REFERENCE_ULP_ALLOWANCE, ConditioningFloor, NoiseFloor,
+                                     dtype_noise_bound)
 from peat_jax.analyzer.signature import (BLOCK_SIZES, DEFAULT_SAMPLE_SIZE, MAX_PERIOD, N_WORST,
                                          PERMUTATION_MAX_ELEMENTS, QUANTILES, Bits, BlockMatch,
                                          Counts, Errors, Permutation, Precision, Ratio, Signature,
@@ -44,6 +45,7 @@ __all__ = [
     "BLOCK_SIZES",
     "Bits",
     "BlockMatch",
+    "ConditioningFloor",
     "Counts",
     "DEFAULT_NOISE_FACTOR",
     "DEFAULT_REDUCTION_LENGTH",

@@ -23,7 +23,8 @@ __all__ = ["analyze"]
 
 def analyze(candidate, golden, reference64=None, *, reduction_length: Optional[int] = None,
             noise_factor: float = DEFAULT_NOISE_FACTOR, ulp_allowance: Optional[float] = None,
-            comparison: str = "golden", sample_size: int = DEFAULT_SAMPLE_SIZE) -> Signature:
+            comparison: str = "golden", sample_size: int = DEFAULT_SAMPLE_SIZE,
+            conditioning=None) -> Signature:
     """Statistics of `candidate` against `golden` (arrays or pytrees of the same structure).
 
     Args:
@@ -40,6 +41,11 @@ def analyze(candidate, golden, reference64=None, *, reduction_length: Optional[i
       comparison: "golden", or "repeat" when `golden` is an earlier run of the same candidate
         (the runs are compared directly, with the dtype bound as the floor).
       sample_size: elements the distribution statistics use per leaf (larger leaves are sampled).
+      conditioning: optional conditioning spread, same structure as `golden` (needs
+        `reference64`): per element, how far the float64 result moves when the inputs are
+        perturbed at the last bit of their dtype (output units, >= 0). The floor becomes the
+        larger of the noise floor and the conditioning floor (see `ConditioningFloor`);
+        `peat.check_kernel` measures it.
 
     Returns:
       A `Signature` (for a pytree: the worst leaf's, with every leaf's in ``.leaves``).
@@ -48,25 +54,35 @@ def analyze(candidate, golden, reference64=None, *, reduction_length: Optional[i
       PeatError: mismatched structures, shapes or dtypes, or an unsupported dtype.
     """
     _check_options(reference64, noise_factor, comparison, sample_size)
+    if conditioning is not None and reference64 is None:
+        raise PeatError("conditioning needs reference64: the conditioning floor is measured "
+                        "against the float64 reference")
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(candidate)
     g_leaves, g_def = jax.tree_util.tree_flatten(golden)
     if g_def != treedef:
         raise PeatError(f"candidate and golden have different structures: {treedef} vs {g_def}")
-    r_leaves = [None] * len(g_leaves)
-    if reference64 is not None:
-        r_leaves, r_def = jax.tree_util.tree_flatten(reference64)
-        if r_def != treedef:
-            raise PeatError(f"reference64 has a different structure from golden: {r_def} vs "
-                            f"{g_def}")
+    r_leaves = _leaves_like("reference64", reference64, g_def, len(g_leaves))
+    k_leaves = _leaves_like("conditioning", conditioning, g_def, len(g_leaves))
     if not g_leaves:
         raise PeatError("analyze needs at least one array")
-    sigs = [_analyze_leaf(jax.tree_util.keystr(kp), c, g, r, reduction_length, noise_factor,
+    sigs = [_analyze_leaf(jax.tree_util.keystr(kp), c, g, r, k, reduction_length, noise_factor,
                           ulp_allowance, comparison, sample_size)
-            for (kp, c), g, r in zip(path_leaves, g_leaves, r_leaves)]
+            for (kp, c), g, r, k in zip(path_leaves, g_leaves, r_leaves, k_leaves)]
     if len(sigs) == 1 and not path_leaves[0][0]:
         return sigs[0]
     worst = max(sigs, key=_severity)
     return dataclasses.replace(worst, leaves=tuple(sigs))
+
+
+def _leaves_like(name: str, tree, g_def, n: int) -> list:
+    """The leaves of the optional pytree `tree` (n Nones when it is None), which must have the
+    golden's structure `g_def` (else a PeatError naming `name`)."""
+    if tree is None:
+        return [None] * n
+    leaves, t_def = jax.tree_util.tree_flatten(tree)
+    if t_def != g_def:
+        raise PeatError(f"{name} has a different structure from golden: {t_def} vs {g_def}")
+    return leaves
 
 
 def _check_options(reference64, noise_factor, comparison, sample_size) -> None:
@@ -103,7 +119,7 @@ def _home(*xs):
     return jax.devices()[0]
 
 
-def _check_leaf(where: str, c, g, r) -> None:
+def _check_leaf(where: str, c, g, r, k) -> None:
     c_shape, g_shape = tuple(np.shape(c)), tuple(np.shape(g))
     if c_shape != g_shape:
         raise PeatError(f"candidate{where} has shape {c_shape}, golden has {g_shape}")
@@ -119,6 +135,9 @@ def _check_leaf(where: str, c, g, r) -> None:
     if r is not None and tuple(np.shape(r)) != g_shape:
         raise PeatError(f"reference64{where} has shape {tuple(np.shape(r))}, golden has "
                         f"{g_shape}")
+    if k is not None and tuple(np.shape(k)) != g_shape:
+        raise PeatError(f"conditioning{where} has shape {tuple(np.shape(k))}, golden has "
+                        f"{g_shape}")
 
 
 def _nonfloat_leaf(path: str, c, g, comparison: str) -> Signature:
@@ -132,9 +151,9 @@ def _nonfloat_leaf(path: str, c, g, comparison: str) -> Signature:
                               n_mis, mismatch)
 
 
-def _analyze_leaf(path, c, g, r, reduction_length, noise_factor, ulp_allowance, comparison,
+def _analyze_leaf(path, c, g, r, k, reduction_length, noise_factor, ulp_allowance, comparison,
                   sample_size) -> Signature:
-    _check_leaf(f" at {path}" if path else "", c, g, r)
+    _check_leaf(f" at {path}" if path else "", c, g, r, k)
     g_dt = jnp.result_type(g)
     if not jnp.issubdtype(g_dt, jnp.floating):
         return _nonfloat_leaf(path, c, g, comparison)
@@ -151,6 +170,9 @@ def _analyze_leaf(path, c, g, r, reduction_length, noise_factor, ulp_allowance, 
     else:
         with jax.enable_x64(True):
             r64 = jax.device_put(jnp.asarray(r, jnp.float64), device)
-            stats = jax.device_get(leaf_stats(c, g, r64, options))
+            k64 = None if k is None else jax.device_put(
+                jnp.nan_to_num(jnp.abs(jnp.asarray(k, jnp.float64)), nan=0.0, posinf=0.0),
+                device)
+            stats = jax.device_get(leaf_stats(c, g, r64, options, k64))
     return build_signature(path, tuple(np.shape(g)), g_dt, comparison, stats, options,
                            reduction_length)

@@ -11,8 +11,8 @@ import numpy as np
 
 from peat_jax.analyzer.contract import LeafStats, Options, SampleStats, WorstStats, view2d
 from peat_jax.analyzer.noise import (DEFAULT_REDUCTION_LENGTH, DISTRIBUTION_MIN_ELEMENTS,
-                                     NOISE_FREE_SHARE, NoiseFloor, analyzed_format,
-                                     distribution_ok)
+                                     NOISE_FREE_SHARE, ConditioningFloor, NoiseFloor,
+                                     analyzed_format, distribution_ok)
 from peat_jax.analyzer.signature import (QUANTILES, BlockMatch, Bits, Counts, Errors, MAX_PERIOD,
                                          Permutation, Precision, Ratio, Signature, Structure,
                                          WorstElement)
@@ -93,14 +93,19 @@ def _noise(stats: LeafStats, options: Options, reduction_length: Optional[int]) 
     ucq = {f"p{int(100 * p)}": float(v) for p, v in zip(_ULP_QUANTILES, q.candidate_ulp)}
     ugq = {f"p{int(100 * p)}": float(v) for p, v in zip(_ULP_QUANTILES, q.golden_ulp)}
     dist_ok = None
-    if int(stats.sample.counts.finite) >= DISTRIBUTION_MIN_ELEMENTS:
+    if int(stats.sample.counts.distribution) >= DISTRIBUTION_MIN_ELEMENTS:
         dist_ok = distribution_ok(ucq, ugq, options.noise_factor)
+    k = stats.conditioning
+    conditioning = None if k is None else ConditioningFloor(
+        max_spread=float(k.max_spread), max_ratio=float(k.max_ratio), dominant=int(k.dominant),
+        decisive=int(k.decisive))
     return NoiseFloor(
         kind="float64", factor=options.noise_factor, ulp_allowance=options.ulp_allowance,
         abs_floor=float(sc.abs_floor), reduction_length=None,
         golden_max_abs_error=float(sc.golden_max_abs_error),
         golden_max_ulp_error=float(sc.golden_max_ulp_error), golden_ulp_quantiles=ugq,
-        candidate_ulp_quantiles=ucq, distribution_ok=dist_ok, rms_golden=float(sc.rms))
+        candidate_ulp_quantiles=ucq, distribution_ok=dist_ok, rms_golden=float(sc.rms),
+        conditioning=conditioning)
 
 
 def _ratio(stats: LeafStats) -> Ratio:

@@ -12,6 +12,7 @@ import math
 from typing import Any, NamedTuple
 
 __all__ = [
+    "ConditioningStats",
     "GridFit",
     "LeafScales",
     "LeafStats",
@@ -87,6 +88,8 @@ class SampleCounts(NamedTuple):
     slope_elements: Array          # mismatched elements the error slope is fitted on
     mismatched_finite: Array
     ratio_elements: Array          # finite with |g| >= rms(g) (ratio statistics)
+    distribution: Array            # elements of the distribution test (reference only: finite,
+    #                                the noise floor at least the conditioning floor)
 
 
 class SampleHistograms(NamedTuple):
@@ -186,6 +189,16 @@ class PermutationStats(NamedTuple):
     transpose_beyond: Array    # candidate vs golden transposed: positions beyond the floor
 
 
+class ConditioningStats(NamedTuple):
+    """Whole-leaf statistics of the conditioning floor (given a conditioning spread K)."""
+
+    max_spread: Array          # max K, output units
+    max_ratio: Array           # max over finite elements of floor / noise floor (>= 1)
+    dominant: Array            # elements whose conditioning floor exceeds their noise floor
+    decisive: Array            # mismatched finite elements beyond the noise floor, within
+    #                            the floor: passed by the conditioning floor alone
+
+
 class LeafStats(NamedTuple):
     """Everything the device side returns for one float leaf."""
 
@@ -195,6 +208,7 @@ class LeafStats(NamedTuple):
     structure: StructureStats
     permutation: PermutationStats
     scales: LeafScales
+    conditioning: Any = None   # ConditioningStats, None without a conditioning spread
 
 
 def view2d(shape) -> tuple[int, int, int, int]:

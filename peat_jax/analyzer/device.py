@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from peat_jax.analyzer.bits import Operand
-from peat_jax.analyzer.contract import LeafScales, LeafStats, Options, WholeLeaf, view2d
+from peat_jax.analyzer.contract import (ConditioningStats, LeafScales, LeafStats, Options,
+                                        WholeLeaf, view2d)
 from peat_jax.analyzer.elements import (Scales, elements, i32, leaf_scales, local_scale_2d,
                                         sample_index, vreduce)
 from peat_jax.analyzer.noise import NOISE_FREE_SHARE, analyzed_format
@@ -23,7 +24,7 @@ from peat_jax.analyzer.sample import sample_stats
 from peat_jax.analyzer.structure import permutation, structure
 from peat_jax.formats import FloatFormat
 
-__all__ = ["leaf_stats", "nonfloat_stats", "whole_leaf"]
+__all__ = ["conditioning_stats", "leaf_stats", "nonfloat_stats", "whole_leaf"]
 
 
 def _rare_counts(c, g, r, s: Scales, options: Options, f: FloatFormat, eloc):
@@ -71,6 +72,22 @@ def whole_leaf(c, g, r, s: Scales, options: Options, f: FloatFormat) -> WholeLea
         subnormal_golden=sub_g, max_abs=max_abs, max_floor_ratio=max_ratio, max_ulp=max_ulp)
 
 
+def conditioning_stats(c, g, r, s: Scales, options: Options,
+                       f: FloatFormat) -> ConditioningStats:
+    """The `ConditioningStats` of `Operand`s `c`, `g` against the float64 reference `r`, given
+    the conditioning spread ``s.K``: one more whole-leaf reduction."""
+    R, C, _, _ = view2d(c.shape)
+    el = elements(c.reshape(R, C), g.reshape(R, C), r.reshape(R, C), s, options, f,
+                  local_scale_2d(s, R, C))
+    fin = el.finite
+    decisive = el.mismatched & fin & (el.err > el.noise_floor) & ~(el.err > el.floor)
+    max_ratio, dominant, n_decisive = vreduce(
+        [jnp.where(fin, el.floor / el.noise_floor, 1.0), i32(el.conditioned & fin),
+         i32(decisive)], ["max", "sum", "sum"], (0, 1))
+    return ConditioningStats(max_spread=jnp.max(s.K), max_ratio=max_ratio, dominant=dominant,
+                             decisive=n_decisive)
+
+
 def _relative_tolerance(s: Scales, r, options: Options, f: FloatFormat):
     """Relative tolerance of ratio tests: twice the typical floor at |g| = rms, relative (at
     least 4 eps), float32."""
@@ -80,9 +97,10 @@ def _relative_tolerance(s: Scales, r, options: Options, f: FloatFormat):
 
 
 @functools.partial(jax.jit, static_argnames=("options",))
-def leaf_stats(c, g, r, options: Options) -> LeafStats:
+def leaf_stats(c, g, r, options: Options, k=None) -> LeafStats:
     """The statistics of candidate `c` against golden `g` (same shape and float dtype), with the
-    float64 reference `r` or None.
+    float64 reference `r` or None and, with `r`, the conditioning spread `k` (float64, output
+    units, `g`'s shape) or None.
 
     Returns:
       A `LeafStats` of device scalars and small vectors (see `contract`).
@@ -90,7 +108,7 @@ def leaf_stats(c, g, r, options: Options) -> LeafStats:
     f = analyzed_format(g.dtype)
     c, g = Operand(c, None, f), Operand(g, None, f)
     idx = sample_index(c.size, options.sample_size)
-    s = leaf_scales(c, g, r, idx, options, f)
+    s = leaf_scales(c, g, r, idx, options, f, k)
     whole = whole_leaf(c, g, r, s, options, f)
     rel_tol = _relative_tolerance(s, r, options, f)
     noise_free = (whole.mismatched - whole.significant) <= NOISE_FREE_SHARE * c.size
@@ -99,7 +117,8 @@ def leaf_stats(c, g, r, options: Options) -> LeafStats:
         whole=whole, sample=sample_stats(c, g, r, idx, s, options, f, noise_free), worst=worst,
         structure=struct, permutation=permutation(c, g, r, s, options, f, whole.significant),
         scales=LeafScales(rms=s.rms, abs_floor=s.abs_floor, rel_tol=rel_tol,
-                          golden_max_abs_error=s.E, golden_max_ulp_error=s.U))
+                          golden_max_abs_error=s.E, golden_max_ulp_error=s.U),
+        conditioning=None if s.K is None else conditioning_stats(c, g, r, s, options, f))
 
 
 @jax.jit

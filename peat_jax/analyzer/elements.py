@@ -20,6 +20,7 @@ from peat_jax.formats import FloatFormat, ulp_of_magnitude, ulp_of_value
 
 __all__ = [
     "Elements",
+    "Local",
     "Scales",
     "elements",
     "i32",
@@ -88,13 +89,18 @@ class Scales(NamedTuple):
     E_row: Any = None
     E_col: Any = None
     U90: Any = None         # 90th percentile of the golden's ULP error (sample), ULPs
+    K: Any = None           # the conditioning spread, (R, C) view, float64 (given only)
 
 
-def local_scale(s: Scales, rows, cols, C: int, R: int):
-    """Local absolute error scale of the golden at elements (rows, cols) of the 2-D view:
-    ``min(E_row[row], E_col[col])``; the row maximum alone when columns are shorter than 32, the
-    column maximum alone when rows are, the leaf's maximum when both are (the maximum of fewer
-    golden errors is too often small by luck)."""
+class Local(NamedTuple):
+    """The local absolute scales of the floor at some elements (output units, float64)."""
+
+    noise: Any                # E_loc: the golden's own error scale (`local_scale`)
+    conditioning: Any = None  # K: the float64 reference's spread under 1-ULP input
+    #                           perturbations (None: not given)
+
+
+def _noise_scale(s: Scales, rows, cols, C: int, R: int):
     use_row, use_col = C >= _THIN, R >= _THIN
     if use_row and use_col:
         return jnp.minimum(s.E_row[rows], s.E_col[cols])
@@ -105,16 +111,27 @@ def local_scale(s: Scales, rows, cols, C: int, R: int):
     return jnp.broadcast_to(s.E, jnp.shape(rows))
 
 
-def local_scale_2d(s: Scales, R: int, C: int):
+def local_scale(s: Scales, rows, cols, C: int, R: int) -> Local:
+    """The `Local` scales at elements (rows, cols) of the 2-D view. The golden's own error
+    scale is ``min(E_row[row], E_col[col])``; the row maximum alone when columns are shorter
+    than 32, the column maximum alone when rows are, the leaf's maximum when both are (the
+    maximum of fewer golden errors is too often small by luck). The conditioning spread is
+    K's element there."""
+    return Local(noise=_noise_scale(s, rows, cols, C, R),
+                 conditioning=None if s.K is None else s.K[rows, cols])
+
+
+def local_scale_2d(s: Scales, R: int, C: int) -> Optional[Local]:
     """`local_scale` for every element of the (R, C) view (None without a reference)."""
     if s.E_row is None:
         return None
     rows = jnp.arange(R, dtype=jnp.int32)[:, None]
     cols = jnp.arange(C, dtype=jnp.int32)[None, :]
-    return local_scale(s, jnp.broadcast_to(rows, (R, C)), jnp.broadcast_to(cols, (R, C)), C, R)
+    noise = _noise_scale(s, jnp.broadcast_to(rows, (R, C)), jnp.broadcast_to(cols, (R, C)), C, R)
+    return Local(noise=noise, conditioning=s.K)
 
 
-def local_scale_flat(s: Scales, idx, n: int, R: int, C: int):
+def local_scale_flat(s: Scales, idx, n: int, R: int, C: int) -> Optional[Local]:
     """`local_scale` for the flat indices `idx` (None: all n elements)."""
     if s.E_row is None:
         return None
@@ -133,9 +150,10 @@ def _rms(g, idx, f: FloatFormat):
     return m * jnp.sqrt(jnp.sum(jnp.where(fin, (gs / m) ** 2, 0)) / n)
 
 
-def leaf_scales(c, g, r, idx, options: Options, f: FloatFormat) -> Scales:
+def leaf_scales(c, g, r, idx, options: Options, f: FloatFormat, k=None) -> Scales:
     """The `Scales` of a leaf: `c`, `g` are `Operand`s, `r` the float64 reference or None,
-    `idx` the sample's flat indices."""
+    `k` the conditioning spread (float64, output units; only with `r`) or None, `idx` the
+    sample's flat indices."""
     rms = _rms(g, idx, f)
     if r is None:
         return Scales(rms=rms, abs_floor=options.bound_coef * rms)
@@ -154,8 +172,11 @@ def leaf_scales(c, g, r, idx, options: Options, f: FloatFormat) -> Scales:
     n_ok = jnp.sum(i32(oks))
     U90 = lax.bitcast_convert_type(key[ranks(n_ok, (0.9,), us.shape[0])[0]], jnp.float32)
     U90 = jnp.where(n_ok > 0, U90, 0.0).astype(jnp.float64)
+    K = None
+    if k is not None:
+        K = jnp.where(jnp.isfinite(rf), k.reshape(R, C).astype(jnp.float64), 0.0)
     return Scales(rms=rms, abs_floor=options.noise_factor * E, E=E, U=U, E_row=E_row,
-                  E_col=E_col, U90=U90)
+                  E_col=E_col, U90=U90, K=K)
 
 
 class Elements(NamedTuple):
@@ -176,34 +197,60 @@ class Elements(NamedTuple):
     flushed: Any        # golden subnormal, candidate +-0
     ulp_dist: Any       # ULP distance c vs g (unsigned)
     noise_bits: Any     # bit length of floor / ULP: differing bits below it may be noise
+    conditioned: Any    # the conditioning floor is the larger (False without one)
+    noise_floor: Any    # the floor without the conditioning floor, output units
 
 
-def _floor(dg: Decoded, cv, err_cg, r, s: Scales, options: Options, f: FloatFormat, eloc):
-    """(err, ulp, floor) of each element: the error the floor applies to and the floor, output
-    units; the ULP of the golden's dtype there."""
+class _Floor(NamedTuple):
+    err: Any            # the error the floor applies to, output units
+    ulp: Any            # the ULP of the golden's dtype there
+    floor: Any          # max(noise floor, conditioning floor), output units
+    noise_floor: Any    # the noise floor alone
+    conditioned: Any    # the conditioning floor is the larger
+
+
+def _floor(dg: Decoded, cv, err_cg, r, s: Scales, options: Options, f: FloatFormat,
+           eloc: Optional[Local]) -> _Floor:
+    """The `_Floor` of each element. With a float64 reference the noise floor is
+    ``F * max(E_loc, U90 * ulp) + a * ulp`` and, with a conditioning spread K, the floor is
+    ``F * max(E_loc, U90 * ulp, K) + a * ulp``: the larger of the noise floor and the
+    conditioning floor ``F * K + a * ulp``."""
     if r is None:
         ulp = ulp_of_magnitude(jnp.abs(dg.mono), f)
-        floor = options.ulp_allowance * ulp + s.abs_floor
-        return err_cg, ulp, jnp.maximum(floor, jnp.finfo(f.compute_dtype).tiny)
+        floor = jnp.maximum(options.ulp_allowance * ulp + s.abs_floor,
+                            jnp.finfo(f.compute_dtype).tiny)
+        return _Floor(err=err_cg, ulp=ulp, floor=floor, noise_floor=floor,
+                      conditioned=jnp.zeros(jnp.shape(floor), bool))
     # Only the error against the float64 reference and its floor are float64.
     rf = r.astype(jnp.float64)
     err = jnp.abs(cv.astype(jnp.float64) - rf)
     ulp = ulp_of_value(rf, f)
-    local = s.E if eloc is None else eloc
-    floor = options.noise_factor * jnp.maximum(local, s.U90 * ulp) + options.ulp_allowance * ulp
-    return err, ulp, jnp.maximum(floor, jnp.finfo(jnp.float64).tiny)
+    tiny = jnp.finfo(jnp.float64).tiny
+    local = s.E if eloc is None else eloc.noise
+    scale = jnp.maximum(local, s.U90 * ulp)
+    noise = jnp.maximum(options.noise_factor * scale + options.ulp_allowance * ulp, tiny)
+    cond = None if eloc is None else eloc.conditioning
+    if cond is None:
+        return _Floor(err=err, ulp=ulp, floor=noise, noise_floor=noise,
+                      conditioned=jnp.zeros(jnp.shape(noise), bool))
+    conditioned = cond > scale
+    floor = jnp.maximum(options.noise_factor * jnp.maximum(scale, cond) +
+                        options.ulp_allowance * ulp, tiny)
+    return _Floor(err=err, ulp=ulp, floor=floor, noise_floor=noise, conditioned=conditioned)
 
 
-def elements(c, g, r, s: Scales, options: Options, f: FloatFormat, eloc=None) -> Elements:
+def elements(c, g, r, s: Scales, options: Options, f: FloatFormat,
+             eloc: Optional[Local] = None) -> Elements:
     """Per-element quantities of `Operand`s `c`, `g` (and the float64 reference `r` or None);
-    `eloc` (reference only) is the local absolute error scale of the golden at each element
+    `eloc` (reference only) holds the local scales of the floor at each element
     (`local_scale`)."""
     dc, dg = decode(c, f), decode(g, f)
     mismatched = (dc.pattern != dg.pattern) & ~(dc.nan & dg.nan)
     finite = ~dc.nonfinite & ~dg.nonfinite
     cv, gv = values(c, f), values(g, f)
     err_cg = jnp.abs(cv - gv)
-    err, ulp, floor = _floor(dg, cv, err_cg, r, s, options, f, eloc)
+    fl = _floor(dg, cv, err_cg, r, s, options, f, eloc)
+    err, ulp, floor = fl.err, fl.ulp, fl.floor
     over = err > floor
     ratio = jnp.where(finite, err / floor, jnp.inf).astype(f.compute_dtype)
     golden_only_nf = dg.nonfinite & ~dc.nonfinite
@@ -214,4 +261,5 @@ def elements(c, g, r, s: Scales, options: Options, f: FloatFormat, eloc=None) ->
                     err_cg=err_cg, err=err, ulp=ulp, floor=floor, ratio=ratio,
                     significant=significant, flushed=mismatched & dg.subnormal & dc.zero,
                     ulp_dist=ulp_distance(dc, dg, f),
-                    noise_bits=(32 - lax.clz(q)).astype(jnp.int32))
+                    noise_bits=(32 - lax.clz(q)).astype(jnp.int32),
+                    conditioned=fl.conditioned, noise_floor=fl.noise_floor)

@@ -14,6 +14,7 @@ from peat_jax.errors import PeatError
 from peat_jax.formats import FloatFormat, float_format
 
 __all__ = [
+    "ConditioningFloor",
     "DEFAULT_NOISE_FACTOR",
     "DEFAULT_REDUCTION_LENGTH",
     "DISTRIBUTION_ALLOWANCE",
@@ -117,6 +118,32 @@ def distribution_ok(candidate_ulp: Mapping[str, float], golden_ulp: Mapping[str,
 
 
 @dataclasses.dataclass(frozen=True)
+class ConditioningFloor:
+    """The conditioning floor of a leaf: what the problem itself allows.
+
+    Given a conditioning spread ``K`` (per element, output units: how far the float64 result
+    moves when the inputs are perturbed at the last bit of their dtype; `peat.check_kernel`
+    measures it), the floor at element i is ``F * max(E_loc(i), U90 * ulp(r_i), K(i)) + a *
+    ulp(r_i)``: the larger of the noise floor and the conditioning floor ``F * K(i) + a *
+    ulp(r_i)``. Elements whose conditioning floor is the larger are left out of the
+    distribution test (the problem, not the golden, sets their yardstick).
+
+    Attributes:
+      max_spread: max K, output units.
+      max_ratio: max over finite elements of floor / noise floor (1: the noise floor dominates
+        everywhere).
+      dominant: elements whose conditioning floor exceeds their noise floor.
+      decisive: mismatched elements beyond the noise floor but within the floor: those the
+        conditioning floor alone passes (0: it made no difference).
+    """
+
+    max_spread: float
+    max_ratio: float
+    dominant: int
+    decisive: int
+
+
+@dataclasses.dataclass(frozen=True)
 class NoiseFloor:
     """How the per-element noise floor was set, and the golden's own error.
 
@@ -153,6 +180,7 @@ class NoiseFloor:
         p90(u_g) + 0.5`` (`DISTRIBUTION_ALLOWANCE`); None without a reference or with fewer
         than `DISTRIBUTION_MIN_ELEMENTS` finite elements.
       rms_golden: root mean square of the finite golden values (sample), output units.
+      conditioning: the `ConditioningFloor`, None when no conditioning spread was given.
     """
 
     kind: str
@@ -166,3 +194,4 @@ class NoiseFloor:
     candidate_ulp_quantiles: Mapping[str, float]
     distribution_ok: Optional[bool]
     rms_golden: float
+    conditioning: Optional[ConditioningFloor] = None

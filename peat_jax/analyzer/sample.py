@@ -40,6 +40,8 @@ class _Sample(NamedTuple):
     nonzero: Any        # both non-zero
     ratio_sel: Any      # finite, |g| >= rms(g), g normal: elements of the ratio statistics
     slope_sel: Any      # mismatched, finite, g normal: elements of the error slope
+    dist_sel: Any       # finite (the reference too), noise floor >= conditioning floor:
+    #                     elements of the distribution test
 
 
 def _sample(el: Elements, rs, s: Scales, f: FloatFormat, noise_free) -> _Sample:
@@ -54,12 +56,15 @@ def _sample(el: Elements, rs, s: Scales, f: FloatFormat, noise_free) -> _Sample:
         (dc.negative != dg.negative))
     tiny = jnp.asarray(jnp.finfo(f.dtype).tiny, el.gv.dtype)
     g_normal = ~dg.zero & ~dg.subnormal
+    dist_sel = el.finite & ~el.conditioned
+    if rs is not None:
+        dist_sel = dist_sel & jnp.isfinite(rs.astype(jnp.float64))
     return _Sample(
         el=el, rs=rs, x=x, x_hi=x_hi,
         single=el.significant & (lax.population_count(x_hi) == 1), negated=negated,
         rel=el.err_cg / jnp.maximum(jnp.abs(el.gv), tiny), nonzero=~dc.zero & ~dg.zero,
         ratio_sel=el.finite & (jnp.abs(el.gv) >= s.rms) & g_normal,
-        slope_sel=el.mismatched & el.finite & (el.err_cg > 0) & g_normal)
+        slope_sel=el.mismatched & el.finite & (el.err_cg > 0) & g_normal, dist_sel=dist_sel)
 
 
 def _counts_and_bit_histograms(sm: _Sample, f: FloatFormat):
@@ -75,7 +80,7 @@ def _counts_and_bit_histograms(sm: _Sample, f: FloatFormat):
         sign_agrees=both & (dc.negative == dg.negative), both_nonzero=both,
         large_rel_significant=sig & (~fin | (sm.rel >= _LARGE_REL)), significant_finite=sig & fin,
         slope_elements=sm.slope_sel, mismatched_finite=el.mismatched & fin,
-        ratio_elements=sm.ratio_sel)
+        ratio_elements=sm.ratio_sel, distribution=sm.dist_sel)
     ut = f.wide_uint
     flags = sum(m.astype(jnp.uint32) << jnp.uint32(k) for k, m in enumerate(masks))
     pos = jnp.arange(f.bits, dtype=ut)
@@ -128,11 +133,10 @@ def _quantiles(sm: _Sample, counts: SampleCounts, n: int):
              counts.ratio_elements]
     if sm.rs is not None:
         rf = sm.rs.astype(jnp.float64)
-        okr = fin & jnp.isfinite(rf)
+        okr = sm.dist_sel
         keys += [nonneg_key(el.err / el.ulp, okr),
                  nonneg_key(jnp.abs(el.gv.astype(jnp.float64) - rf) / el.ulp, okr)]
-        n_okr = jnp.sum(i32(okr))
-        valid += [n_okr, n_okr]
+        valid += [counts.distribution, counts.distribution]
     srt = jnp.sort(jnp.stack(keys), axis=1)
 
     def at(i, qs):

@@ -5,9 +5,11 @@ Layout as Flax's `nn.dot_product_attention`: q `[batch, q_len, heads, dim]`, k a
 `sm_scale = 1/sqrt(dim)` by default, optionally causal (query i sees keys j <= i).
 
 Forward: a grid over (batch, heads, query blocks); each program streams key/value blocks with an
-online softmax in float32 and writes the output and the row log-sum-exp. Backward: two Pallas
-kernels, one for dq (grid over query blocks, streaming keys) and one for dk/dv (grid over key
-blocks, streaming queries); `delta = rowsum(dO * O)` is one jnp reduction in between. Sequence
+online softmax in float32 and writes the output and each row's max m and sum l (kept apart:
+the backward recomputes ``P = exp(s - m) / l`` as XLA's softmax does). Backward: two Pallas
+kernels, one for dq (grid over query blocks, streaming keys twice: first `delta = rowsum(P *
+dP)`, the softmax VJP's own sum, then dq) and one for dk/dv (grid over key blocks, streaming
+queries, reading delta). Sequence
 lengths are padded to the blocks and masked; the head dim is zero-padded to a power of two.
 """
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _kv_blocks(q_block: int, bq: int, bk: int, nk: int, causal: bool):
     return jnp.minimum(nk, ((q_block + 1) * bq + bk - 1) // bk)
 
 
-def _fwd_body(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, kv_len, bq, bk, nk,
+def _fwd_body(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale, causal, kv_len, bq, bk, nk,
               precision):
     i = pl.program_id(2)
     q = q_ref[...]
@@ -91,34 +93,62 @@ def _fwd_body(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, kv_len, bq,
             jnp.zeros(o_ref.shape, jnp.float32))
     m, l, acc = lax.fori_loop(0, _kv_blocks(i, bq, bk, nk, causal), step, init)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log(l)
+    m_ref[...] = m
+    l_ref[...] = l
 
 
-def _dq_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, kv_len,
-             bq, bk, nk, precision):
+def _probs_and_dp(q, k, v, do, m, l, qi, kj, *, scale, causal, kv_len, precision):
+    """(P, dP) of one (query block, key block): ``P = exp(s - m) / l`` from the forward's row
+    max m and sum l, kept apart (as XLA's softmax does): a log-sum-exp ``m + log(l)`` rounded
+    to float32 moves every probability of a row with large logits by up to ulp(m) relative.
+    ``dP = dO v^T``. Masked entries of P are 0."""
+    s = _dot(q, k, precision, trans_b=True) * scale
+    # s - m <= 0 in exact terms; a recomputed logit may round an ULP above the forward's max,
+    # and at |s| ~ 1e18 one ULP of s is ~1e11: exp would overflow.
+    p = jnp.exp(jnp.minimum(s - m[:, None], 0.0)) / l[:, None]
+    return jnp.where(_mask(qi, kj, kv_len, causal), p, 0.0), _dot(do, v, precision, trans_b=True)
+
+
+def _dq_body(q_ref, k_ref, v_ref, do_ref, m_ref, l_ref, dq_ref, delta_ref, *, scale, causal,
+             kv_len, bq, bk, nk, precision):
+    """dq of one query block, and the row sums ``delta = rowsum(P * dP)`` the dk/dv kernel
+    reuses. delta is the softmax VJP's own sum (XLA's), accumulated over the key blocks in a
+    first pass, not FlashAttention's ``rowsum(dO * O)``: the two are equal in exact arithmetic,
+    but only this one cancels ``dP - delta`` exactly where a row's softmax saturates to one
+    key (a rounding difference times |k| would otherwise reach ~eps * |dO| |v| |k|)."""
     i = pl.program_id(2)
     q, do = q_ref[...], do_ref[...]
-    lse, delta = lse_ref[...], delta_ref[...]
+    m, l = m_ref[...], l_ref[...]
     qi = i * bq + lax.broadcasted_iota(jnp.int32, (bq,), 0)
+    n_blocks = _kv_blocks(i, bq, bk, nk, causal)
+    probs = functools.partial(_probs_and_dp, m=m, l=l, qi=qi, scale=scale, causal=causal,
+                              kv_len=kv_len, precision=precision)
 
-    def step(j, dq):
+    def block(j):
         start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
         kj = start + lax.broadcasted_iota(jnp.int32, (bk,), 0)
-        s = _dot(q, k, precision, trans_b=True) * scale
-        p = jnp.where(_mask(qi, kj, kv_len, causal), jnp.exp(s - lse[:, None]), 0.0)
-        dp = _dot(do, v, precision, trans_b=True)
+        return k, probs(q, k, v, do, kj=kj)
+
+    def row_sum(j, delta):
+        _, (p, dp) = block(j)
+        return delta + jnp.sum(p * dp, axis=1)
+
+    delta = lax.fori_loop(0, n_blocks, row_sum, jnp.zeros((bq,), jnp.float32))
+
+    def step(j, dq):
+        k, (p, dp) = block(j)
         ds = p * (dp - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k, precision)
 
-    dq = lax.fori_loop(0, _kv_blocks(i, bq, bk, nk, causal), step,
-                       jnp.zeros(dq_ref.shape, jnp.float32))
+    dq = lax.fori_loop(0, n_blocks, step, jnp.zeros(dq_ref.shape, jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    delta_ref[...] = delta
 
 
-def _dkv_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal,
-              kv_len, bq, bk, nq, precision):
+def _dkv_body(q_ref, k_ref, v_ref, do_ref, m_ref, l_ref, delta_ref, dk_ref, dv_ref, *, scale,
+              causal, kv_len, bq, bk, nq, precision):
     j = pl.program_id(2)
     k, v = k_ref[...], v_ref[...]
     kj = j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
@@ -128,13 +158,12 @@ def _dkv_body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *
         start = pl.multiple_of(i * bq, bq)
         q = q_ref[pl.ds(start, bq), :]
         do = do_ref[pl.ds(start, bq), :]
-        lse = lse_ref[pl.ds(start, bq)]
+        m, l = m_ref[pl.ds(start, bq)], l_ref[pl.ds(start, bq)]
         delta = delta_ref[pl.ds(start, bq)]
         qi = start + lax.broadcasted_iota(jnp.int32, (bq,), 0)
-        s = _dot(q, k, precision, trans_b=True) * scale
-        p = jnp.where(_mask(qi, kj, kv_len, causal), jnp.exp(s - lse[:, None]), 0.0)
+        p, dp = _probs_and_dp(q, k, v, do, m, l, qi, kj, scale=scale, causal=causal,
+                              kv_len=kv_len, precision=precision)
         dv = dv + _dot(p.astype(do.dtype), do, precision, trans_a=True)
-        dp = _dot(do, v, precision, trans_b=True)
         ds = p * (dp - delta[:, None])
         dk = dk + _dot(ds.astype(q.dtype), q, precision, trans_a=True)
         return dk, dv
@@ -183,44 +212,47 @@ def _forward(q, k, v, cfg: _Config):
     g = _geometry(q, k, cfg)
     blk, row = _specs(g)
     nq, nk = g.q_pad // g.bq, g.kv_pad // g.bk
-    o, lse = _interp.call(
+    o, m, l = _interp.call(
         functools.partial(_fwd_body, scale=g.scale, causal=cfg.causal, kv_len=g.kv_len,
                           bq=g.bq, bk=g.bk, nk=nk, precision=cfg.precision),
         out_shape=(jax.ShapeDtypeStruct((g.batch, g.q_pad, g.heads, g.d_pad), q.dtype),
+                   jax.ShapeDtypeStruct((g.batch, g.heads, g.q_pad), jnp.float32),
                    jax.ShapeDtypeStruct((g.batch, g.heads, g.q_pad), jnp.float32)),
         grid=(g.batch, g.heads, nq),
         in_specs=[blk(g.bq, lambda b, h, i: (b, i, h, 0)),
                   blk(g.kv_pad, lambda b, h, i: (b, 0, h, 0)),
                   blk(g.kv_pad, lambda b, h, i: (b, 0, h, 0))],
-        out_specs=(blk(g.bq, lambda b, h, i: (b, i, h, 0)), row(g.bq, lambda b, h, i: (b, h, i))),
+        out_specs=(blk(g.bq, lambda b, h, i: (b, i, h, 0)), row(g.bq, lambda b, h, i: (b, h, i)),
+                   row(g.bq, lambda b, h, i: (b, h, i))),
         dimension_semantics=("parallel", "parallel", "parallel"), name="peat_pallas_attention",
         interpret=cfg.interpret, checks=cfg.checks,
     )(_pad(q, g.q_pad, g.d_pad), _pad(k, g.kv_pad, g.d_pad), _pad(v, g.kv_pad, g.d_pad))
-    return o[:, :g.q_len, :, :g.dim], o, lse
+    return o[:, :g.q_len, :, :g.dim], m, l
 
 
-def _backward(q, k, v, o_pad, lse, do, cfg: _Config):
+def _backward(q, k, v, m, l, do, cfg: _Config):
     g = _geometry(q, k, cfg)
     blk, row = _specs(g)
     nq, nk = g.q_pad // g.bq, g.kv_pad // g.bk
     qp, kp, vp = _pad(q, g.q_pad, g.d_pad), _pad(k, g.kv_pad, g.d_pad), _pad(v, g.kv_pad, g.d_pad)
     dop = _pad(do.astype(q.dtype), g.q_pad, g.d_pad)
-    delta = jnp.einsum("bqhd,bqhd->bhq", o_pad.astype(jnp.float32), dop.astype(jnp.float32),
-                       precision=cfg.precision)
     common = dict(scale=g.scale, causal=cfg.causal, kv_len=g.kv_len, bq=g.bq, bk=g.bk,
                   precision=cfg.precision)
     sem = ("parallel", "parallel", "parallel")
-    dq = _interp.call(
+    dq, delta = _interp.call(
         functools.partial(_dq_body, nk=nk, **common),
-        out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype), grid=(g.batch, g.heads, nq),
+        out_shape=(jax.ShapeDtypeStruct(qp.shape, q.dtype),
+                   jax.ShapeDtypeStruct((g.batch, g.heads, g.q_pad), jnp.float32)),
+        grid=(g.batch, g.heads, nq),
         in_specs=[blk(g.bq, lambda b, h, i: (b, i, h, 0)),
                   blk(g.kv_pad, lambda b, h, i: (b, 0, h, 0)),
                   blk(g.kv_pad, lambda b, h, i: (b, 0, h, 0)),
                   blk(g.bq, lambda b, h, i: (b, i, h, 0)),
                   row(g.bq, lambda b, h, i: (b, h, i)), row(g.bq, lambda b, h, i: (b, h, i))],
-        out_specs=blk(g.bq, lambda b, h, i: (b, i, h, 0)), dimension_semantics=sem,
+        out_specs=(blk(g.bq, lambda b, h, i: (b, i, h, 0)), row(g.bq, lambda b, h, i: (b, h, i))),
+        dimension_semantics=sem,
         name="peat_pallas_attention_dq", interpret=cfg.interpret, checks=cfg.checks,
-    )(qp, kp, vp, dop, lse, delta)
+    )(qp, kp, vp, dop, m, l)
     dk, dv = _interp.call(
         functools.partial(_dkv_body, nq=nq, **common),
         out_shape=(jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)),
@@ -229,11 +261,12 @@ def _backward(q, k, v, o_pad, lse, do, cfg: _Config):
                   blk(g.bk, lambda b, h, j: (b, j, h, 0)),
                   blk(g.bk, lambda b, h, j: (b, j, h, 0)),
                   blk(g.q_pad, lambda b, h, j: (b, 0, h, 0)),
-                  row(g.q_pad, lambda b, h, j: (b, h, 0)), row(g.q_pad, lambda b, h, j: (b, h, 0))],
+                  row(g.q_pad, lambda b, h, j: (b, h, 0)), row(g.q_pad, lambda b, h, j: (b, h, 0)),
+                  row(g.q_pad, lambda b, h, j: (b, h, 0))],
         out_specs=(blk(g.bk, lambda b, h, j: (b, j, h, 0)), blk(g.bk, lambda b, h, j: (b, j, h, 0))),
         dimension_semantics=sem, name="peat_pallas_attention_dkv", interpret=cfg.interpret,
         checks=cfg.checks,
-    )(qp, kp, vp, dop, lse, delta)
+    )(qp, kp, vp, dop, m, l, delta)
     cut = lambda x, t: x[:, :t, :, :g.dim]  # noqa: E731
     return cut(dq, g.q_len), cut(dk, g.kv_len), cut(dv, g.kv_len)
 
@@ -244,13 +277,13 @@ def _attention(q, k, v, cfg):
 
 
 def _attention_fwd(q, k, v, cfg):
-    o, o_pad, lse = _forward(q, k, v, cfg)
-    return o, (q, k, v, o_pad, lse)
+    o, m, l = _forward(q, k, v, cfg)
+    return o, (q, k, v, m, l)
 
 
 def _attention_bwd(cfg, res, do):
-    q, k, v, o_pad, lse = res
-    return _backward(q, k, v, o_pad, lse, do, cfg)
+    q, k, v, m, l = res
+    return _backward(q, k, v, m, l, do, cfg)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

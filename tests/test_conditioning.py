@@ -1,0 +1,159 @@
+"""The conditioning floor (what the problem itself allows), the bit_flip rounding-reach
+condition, and the bundled Pallas attention against both, with negative controls that must
+still fail."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import peat_jax as peat
+from peat_jax.check import perturb_inputs
+from peat_jax.kernels import references
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _normal(shape, seed=0, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# The floor in the analyzer
+
+
+def test_perturbation_is_at_most_one_ulp_and_keeps_zeros():
+    x = np.concatenate([np.asarray(_normal((1000,))), np.zeros(4, np.float32),
+                        np.float32([1e-40, 3e38])])
+    (p,) = perturb_inputs((x,), np.random.default_rng(0))
+    assert p.dtype == np.float64
+    ulp = np.spacing(np.abs(x)).astype(np.float64)
+    assert np.all(np.abs(p - x) <= ulp)
+    assert np.all(p[x == 0] == 0)
+    assert np.any(p != x)
+
+
+def test_conditioning_floor_passes_what_the_problem_allows_and_says_so():
+    g = _normal((64, 48))
+    r = np.asarray(g, np.float64)
+    c = np.asarray(g).copy()
+    c[3, 5] = c[3, 5] + 40 * np.spacing(abs(c[3, 5]))         # 40 ULPs: beyond the noise floor
+    d = peat.detect(peat.analyze(c, g, r))
+    assert not d.passed
+    spread = np.zeros(g.shape)
+    spread[3, 5] = 20 * np.spacing(abs(c[3, 5]))               # 1-ULP inputs move it 20 ULPs
+    d = peat.detect(peat.analyze(c, g, r, conditioning=spread))
+    assert d.passed and d.model == "numerical_noise", d.summary
+    ev = d.evidence["conditioning_floor"]
+    assert ev["decisive"] == 1 and ev["dominant"] >= 1 and ev["max_ratio"] > 1
+    assert "within the problem's conditioning" in d.summary
+
+
+def test_conditioning_needs_the_float64_reference():
+    g = _normal((8, 8))
+    with pytest.raises(peat.PeatError, match="reference64"):
+        peat.analyze(g, g, conditioning=np.zeros((8, 8)))
+
+
+def test_one_ulp_difference_at_an_outlier_is_not_a_bit_flip():
+    """An isolated 1-ULP difference beyond an (artificially tight) floor: below what rounding at
+    the tensor's scale reaches, so not ``bit_flip``."""
+    x = np.array(_normal((64, 48)))
+    x[7, 9] = 268.0
+    c = x.copy()
+    c[7, 9] = np.nextafter(np.float32(268.0), np.float32(300.0))
+    d = peat.detect(peat.analyze(c, x, np.asarray(x, np.float64), ulp_allowance=0.0))
+    assert not d.passed and d.model != "bit_flip", d.summary
+    # a real flip (an exponent bit) at the same element still is one, with its numbers
+    c[7, 9] = np.float32(268.0 * 2 ** 16)
+    d = peat.detect(peat.analyze(c, x, np.asarray(x, np.float64)))
+    assert d.model == "bit_flip", d.summary
+    assert d.evidence["flip_sizes"][0] > d.evidence["rounding_reach"][0]
+
+
+# ------------------------------------------------------------------------------------------
+# check_kernel with the conditioning floor
+
+
+def test_check_kernel_reports_the_floor_and_can_turn_it_off():
+    a, b = _normal((16, 12)), _normal((12, 8), 1)
+    d = peat.check_kernel(lambda x, y: (x[:, :6] @ y[:6] + x[:, 6:] @ y[6:]), jnp.dot, a, b,
+                          variants="example", repeats=1)
+    assert d.passed, d.summary
+    assert "conditioning_floor" in d.evidence
+    d = peat.check_kernel(lambda x, y: (x[:, :6] @ y[:6] + x[:, 6:] @ y[6:]), jnp.dot, a, b,
+                          variants="example", repeats=1, conditioning=False)
+    assert d.passed and "conditioning_floor" not in d.evidence
+
+
+_ATT = (1, 40, 2, 16)   # the CLI's default blocks (32): a padded last block
+
+
+def _qkv(shape=_ATT):
+    return [_normal(shape, s) for s in range(3)]
+
+
+@pytest.mark.slow
+def test_bundled_pallas_attention_passes_every_variant():
+    d = peat.check_kernel(peat.kernels.pallas_attention(), references.attention, *_qkv(),
+                          repeats=1)
+    assert d.passed, d.summary
+    assert not d.evidence.get("failing_checks")
+
+
+def test_bundled_pallas_attention_backward_saturated_softmax():
+    """q, k ~ 4e9 (the 'large' variant): the softmax is one-hot and dq, dk are exactly 0 in
+    float64 under any 1-ULP perturbation; FlashAttention's rowsum(dO * O) made them ~1e13."""
+    d = peat.check_kernel(peat.kernels.pallas_attention(), references.attention, *_qkv(),
+                          variants=("large", "near_overflow", "outliers"), repeats=1)
+    assert d.passed, d.summary
+
+
+@pytest.mark.slow
+def test_jax_shipped_pallas_mha_passes():
+    """jax's shipped mha passes where it is within the problem's conditioning: every variant
+    but large / near_overflow (NaN in its forward, interpreted on CPU) and the outliers
+    backward (its P = exp(s - lse) with lse = m + log(l) rounded at ulp(m): beyond what 1-ULP
+    input perturbations move; the bundled kernel keeps m and l apart)."""
+    kernel, qkv = peat.kernels.jax_pallas_mha(block_q=8, block_k=8), _qkv((1, 16, 2, 8))
+    d = peat.check_kernel(kernel, references.attention, *qkv, repeats=1,
+                          variants=("example", "tiny", "subnormal", "zeros"))
+    assert d.passed, d.summary
+    d = peat.check_kernel(kernel, references.attention, *qkv, repeats=1, variants="outliers",
+                          backward=False)
+    assert d.passed, d.summary
+
+
+# ------------------------------------------------------------------------------------------
+# Negative controls: wrong kernels still fail with the conditioning floor
+
+
+def _one_pass_layer_norm(x, scale, bias, eps=1e-6):
+    mean = x.mean(-1, keepdims=True)
+    var = (x * x).mean(-1, keepdims=True) - mean * mean      # E[x^2] - E[x]^2: cancels
+    return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
+
+
+def test_one_pass_variance_fails_on_a_large_mean():
+    x = 1e4 + _normal((32, 64))
+    scale, bias = _normal((64,), 1), _normal((64,), 2)
+    d = peat.check_kernel(_one_pass_layer_norm, references.layer_norm, x, scale, bias,
+                          variants="example", repeats=1, backward=False)
+    assert not d.passed, d.summary
+    assert "conditioning_floor" in d.evidence
+
+
+def test_softmax_without_max_subtraction_fails_on_large_inputs():
+    def naive(x):
+        e = jnp.exp(x)
+        return e / e.sum(-1, keepdims=True)
+
+    d = peat.check_kernel(naive, references.softmax, _normal((16, 24)), variants="large",
+                          repeats=1, backward=False)
+    assert not d.passed, d.summary
+
+
+def test_scaled_matmul_fails():
+    a, b = _normal((16, 12)), _normal((12, 8), 1)
+    d = peat.check_kernel(lambda x, y: (x @ y) * 1.001, jnp.dot, a, b, variants="example",
+                          repeats=1)
+    assert not d.passed and d.model == "wrong_scale", d.summary
