@@ -9,6 +9,17 @@ import optax
 import pytest
 
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_jax_caches():
+    """Drop jax's compiled executables after each test module. XLA:CPU maps each executable's
+    code into memory; one pytest process compiles thousands of programs, and at Linux's default
+    limit of 65530 mappings per process the compiler crashed (SIGSEGV / abort) deep into the full
+    suite on jax 0.10.2 and 0.11.2 (in test_precision, whose tests pass on their own)."""
+    yield
+    jax.clear_caches()
+
+
 class LinenMLP(nn.Module):
     hidden: int = 16
     out: int = 4
