@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-import jax
 import jax.numpy as jnp
 
 import peat_jax as peat

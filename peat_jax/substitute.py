@@ -25,8 +25,8 @@ from peat_jax.faults import Fault
 from peat_jax.kernels import Kernel
 from peat_jax.sites import Site, Tracer, Traced, select
 
-__all__ = ["Substituted", "Active", "Candidate", "OnError", "Substitution", "fault_key", "make_rules", "resolve",
-           "run_rules", "substitute", "switched"]
+__all__ = ["Active", "Candidate", "OnError", "Substituted", "Substitution", "fault_key",
+           "make_rules", "resolve", "run_rules", "substitute", "switched"]
 
 Candidate = Union[Kernel, Fault]
 Substitution = Mapping[Any, Candidate]
@@ -254,7 +254,6 @@ class Substituted:
                             f"{type(substitution).__name__}")
         for sel, cand in substitution.items():
             _check_candidate(cand, sel)
-        self._fn = fn
         self._tracer = Tracer(fn, primitives=primitives, regions=regions)
         self._substitution = dict(substitution)
         self._mode = mode
