@@ -3,7 +3,8 @@
 `ERROR_MODELS` is the table the detector names its diagnoses from, the faults name what they
 emulate from, and the report colours its cells from: one `ErrorModel` per name, with whether it
 passes, how severe it is and its colour. `TRAINING_OUTCOMES` does the same for what a runtime
-injection did to training. The order of each table is the order of the taxonomy in docs/design.md.
+injection did to training, and `STEP_EFFECTS` for what a candidate at one site did to one replayed
+training step (playback's effect). The order of each table is the order of the taxonomy in docs/design.md.
 """
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from typing import Mapping, Optional
 
 __all__ = [
     "ALLOWED_COLOUR",
+    "EFFECTS",
     "ERROR_MODELS",
     "ErrorModel",
     "MODELS",
     "MODEL_BY_NAME",
     "OUTCOMES",
     "PASSING",
+    "STEP_EFFECTS",
+    "StepEffect",
     "TRAINING_OUTCOMES",
     "TrainingOutcome",
     "colour",
@@ -166,3 +170,43 @@ TRAINING_OUTCOMES: tuple[TrainingOutcome, ...] = (
 
 OUTCOMES: tuple[str, ...] = tuple(o.name for o in TRAINING_OUTCOMES)
 """Every outcome name `peat.runtime` can return."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEffect:
+    """What a candidate at one site did to one replayed training step (``Effect.model``).
+
+    Attributes:
+      name: the effect's name.
+      passes: the step is as the golden's within the golden's own noise.
+      colour: the report's colour (CSS) of an effect of this name.
+      description: one line (the sufficient conditions are in `peat_jax.profiler.effect`).
+    """
+
+    name: str
+    passes: bool
+    colour: str
+    description: str
+
+
+STEP_EFFECTS: tuple[StepEffect, ...] = (
+    StepEffect(name="masked", passes=True, colour=_GREEN,
+               description="every leaf of the step (loss, metrics, new state) within the golden's "
+                           "own noise"),
+    StepEffect(name="update_scaled", passes=False, colour=_RED,
+               description="only state leaves moved, and each one's update is the golden's update "
+                           "times one common constant"),
+    StepEffect(name="sign_reversed", passes=False, colour=_RED,
+               description="only state leaves moved, and each one's update is the golden's update "
+                           "negated"),
+    StepEffect(name="perturbed", passes=False, colour=_AMBER,
+               description="leaves moved beyond the golden's noise, finite, with no simpler "
+                           "relation to the golden's update"),
+    StepEffect(name="nan_inf", passes=False, colour=_RED,
+               description="the loss, a metric or the new state is non-finite where the "
+                           "golden's is finite"),
+)
+"""Every step effect, in the taxonomy's order."""
+
+EFFECTS: tuple[str, ...] = tuple(e.name for e in STEP_EFFECTS)
+"""Every effect name playback's `diagnose_effect` can return."""

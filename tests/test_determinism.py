@@ -112,9 +112,10 @@ def test_playback_reports_a_nondeterministic_reference_and_does_not_blame_the_ca
     assert set(res.reference_spread) == {0, 3} and min(res.reference_spread.values()) > 0
     recs = res.records()
     assert recs and all(r["local"]["model"] == "exact" for r in recs)
-    assert all(r["effect"]["passed"] for r in recs)
-    assert all(r["effect"]["evidence"].get("reference_nondeterministic") for r in recs), \
-        [r["effect"]["summary"] for r in recs]
+    assert all(r["effect"]["model"] == "masked" for r in recs), [r["effect"]["summary"] for r in recs]
+    # the candidate's changes are within the reference's own: its spread is what excused them
+    assert all(r["effect"]["reference_spread"] > 0 and "run-to-run" in r["effect"]["summary"]
+               for r in recs if r["effect"]["noise_ratio"] > 0), [r["effect"] for r in recs]
     # a real bug at one site is still blamed
     bad = playback(tmp_path / "run", {"fwd:dot_general": peat.faults.scale(1.5)}, workload=wl,
                    name="bad", checkpoints=[3])

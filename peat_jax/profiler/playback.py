@@ -5,8 +5,9 @@ function from checkpoint c, with the candidate active only at s, and compared wi
 with nothing active (the same compiled executable, site index -1):
   * local: the candidate's output at s against the reference op's output on the same operands
     (for a site inside a `scan`, the iteration with the largest difference);
-  * effect: the step's loss and its updated params against the golden replay (diagnosed on the
-    leaf that changed most).
+  * effect: the step's loss, metrics and updated params against the golden replay, in training
+    terms (`peat_jax.profiler.effect`: which leaves moved beyond the golden's own noise, by how
+    much, and what became of the step's update).
 The whole grid runs on one compiled executable per (workload, candidate). No activations are
 stored: the batch of step c is regenerated from c, and only the diagnoses are written, one JSON
 line per cell in `campaigns/<name>/results.jsonl`, appended as cells finish; running the same
@@ -25,11 +26,11 @@ import numpy as np
 
 from peat_jax import formats
 from peat_jax.analyzer import analyze
-from peat_jax.check import REFERENCE_SPREAD_FACTOR
 from peat_jax.detector import Diagnosis, detect
 from peat_jax.errors import PeatError
 from peat_jax.precision import at_matmul_precision, with_callers_precision
 from peat_jax.profiler.campaign import Campaign, campaign_name, campaign_spec, open_campaign
+from peat_jax.profiler.effect import Effect, diagnose_effect, reference_spread
 from peat_jax.profiler.golden import available_checkpoints, load_workload, restore
 from peat_jax.profiler.hostio import quiet, to_device
 from peat_jax.profiler.replay import Replay, Taps, error_line
@@ -38,7 +39,7 @@ from peat_jax.profiler.workload import Workload
 from peat_jax.sites import Site, Traced, Tracer, select
 from peat_jax.substitute import Candidate, Substitution, resolve
 
-__all__ = ["Cell", "CellTimeout", "PlaybackResult", "diagnose_effect", "playback"]
+__all__ = ["Cell", "CellTimeout", "Effect", "PlaybackResult", "diagnose_effect", "playback"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +52,13 @@ class Cell:
       candidate: the candidate's name.
       local: Diagnosis of the site's output (candidate vs reference op on the same operands), or
         None where it cannot be tapped (a site inside `while`/`cond`).
-      effect: Diagnosis of the step's loss and updated params against the golden replay.
+      effect: the `Effect` of the candidate on the step (loss, metrics and updated params
+        against the golden replay): ``masked`` within the golden's noise, else what moved.
       loss: (golden, with candidate) loss of the replayed step.
       local_signature: for a failing local diagnosis, what the report draws (histograms, a
         downsampled error mask).
-      effect_leaf: the path of the leaf (`['loss']` or a param) that changed most; `effect` is
-        that leaf's diagnosis.
+      effect_leaf: the path of the leaf (``loss`` or a param) that moved most against its noise
+        (``effect.leaf``).
       status: "ok"; "crashed" when the candidate raised (while being traced at the site or
         while running), returned outputs of the wrong shape or dtype, or killed the worker
         process; "timeout" when the cell ran past the campaign's `cell_timeout`. A crashed or
@@ -81,7 +83,7 @@ class Cell:
                 "path": s.path, "phase": s.phase, "composite": s.composite,
                 "candidate": self.candidate, "status": self.status, "error": self.error,
                 "local": None if self.local is None else _diag_dict(self.local),
-                "effect": None if self.effect is None else _diag_dict(self.effect),
+                "effect": None if self.effect is None else self.effect.to_dict(),
                 "effect_leaf": self.effect_leaf,
                 "loss": list(self.loss), "local_signature": self.local_signature}
 
@@ -102,7 +104,7 @@ class PlaybackResult:
       reference_spread: for each replayed checkpoint, the largest relative difference between
         golden replays of its step (0.0: the reference is deterministic). Where it is not 0, an
         effect within `REFERENCE_SPREAD_FACTOR` (4) times the reference's own change, leaf by
-        leaf, is not blamed on the candidate (its evidence says so).
+        leaf, is ``masked`` (its summary says so).
     """
 
     cells: tuple[Any, ...]
@@ -186,7 +188,7 @@ def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
     and the other cells run. `PlaybackResult.summary()` counts them.
 
     Returns:
-      A `PlaybackResult` whose cells carry `local` and `effect` Diagnoses.
+      A `PlaybackResult` whose cells carry a `local` Diagnosis and an `effect` (`Effect`).
 
     Raises:
       PeatError: a bad run directory, checkpoint, selector or argument (nothing is written).
@@ -290,7 +292,7 @@ def _play_checkpoint(run: _Run, c: int, todo: Sequence[Site], state, batch) -> f
     golden = run.replay.fn(-1, state, batch)  # compiles on first use: crashed sites known
     # The reference replayed again: where it differs from itself, the candidate is not
     # blamed for differences the reference makes on its own.
-    ref_spread = _reference_spread(run.replay, golden, state, batch)
+    ref_spread = reference_spread(lambda: run.replay.fn(-1, state, batch), golden)
     spread = max(jax.tree.leaves(ref_spread) or [0.0])
     ref_spread = ref_spread if spread > 0 else None
     crashed = run.replay.crashed
@@ -300,7 +302,7 @@ def _play_checkpoint(run: _Run, c: int, todo: Sequence[Site], state, batch) -> f
     groups = run.replay.groups([s for s in todo if s.index not in crashed])
     for group, outs in _outputs(run, c, groups, state, batch):
         for s in group:
-            run.finish(_diagnosed(run, c, s, golden, outs, ref_spread))
+            run.finish(_diagnosed(run, c, s, golden, outs, ref_spread, state))
     run.campaign.clear_running()
     return spread
 
@@ -370,13 +372,13 @@ def _with_time_limit(fn, seconds: float):
     return box[0] if box else _TIMED_OUT
 
 
-def _diagnosed(run: _Run, c: int, site: Site, golden, outs, ref_spread) -> Cell:
+def _diagnosed(run: _Run, c: int, site: Site, golden, outs, ref_spread, before) -> Cell:
     """The cell of `site` diagnosed from its replay's outputs; a crashed cell where running the
     replay raised (`outs` is then the exception) or its outputs cannot be read."""
     try:
         if isinstance(outs, BaseException):
             raise outs
-        return _cell(c, site, run.candidate(site), golden, outs[site.index], ref_spread)
+        return _cell(c, site, run.candidate(site), golden, outs[site.index], ref_spread, before)
     except Exception as e:  # noqa: BLE001 - the candidate failed while running
         return run.failed(c, site, "crashed", error_line(e))
 
@@ -401,27 +403,28 @@ def _failed_cell(checkpoint: int, site: Site, candidate: str, status: str, error
 
 
 def _cell_from_record(rec: dict, site: Site) -> Cell:
-    """A cell read back from results.jsonl (a resumed campaign), with Diagnosis objects again."""
+    """A cell read back from results.jsonl (a resumed campaign), with Diagnosis and Effect
+    objects again (an effect recorded as a Diagnosis by an older version is read as an Effect)."""
     def diag(d):
         return None if d is None else Diagnosis(d["model"], bool(d["passed"]),
                                                 float(d["confidence"]), d.get("evidence", {}),
                                                 d.get("summary", ""))
 
     return Cell(int(rec["checkpoint"]), site, rec.get("candidate", "?"), diag(rec.get("local")),
-                diag(rec.get("effect")), tuple(rec.get("loss", (float("nan"), float("nan")))),
+                None if rec.get("effect") is None else Effect.from_dict(rec["effect"]), tuple(rec.get("loss", (float("nan"), float("nan")))),
                 rec.get("local_signature"), rec.get("effect_leaf", ""), _status(rec),
                 rec.get("error", ""))
 
 
-def _cell(checkpoint: int, site: Site, candidate: str, golden, got, ref_spread=None) -> Cell:
+def _cell(checkpoint: int, site: Site, candidate: str, golden, got, ref_spread=None,
+          before=None) -> Cell:
     """The diagnosed cell: `golden` and `got` are the golden and the candidate's replay
-    outputs (new state, metrics, Taps)."""
+    outputs (new state, metrics, Taps); `before` the state the step started from."""
     gs, gm, _ = golden
     cs, cm, taps = got
     local, compact = _local(site, taps)
-    effect, leaf = diagnose_effect((gs, gm), (cs, cm), ref_spread)
-    return Cell(checkpoint, site, candidate, local, effect,
-                (float(gm["loss"]), float(cm["loss"])), compact, leaf)
+    effect = diagnose_effect((gs, gm), (cs, cm), ref_spread, before)
+    return Cell(checkpoint, site, candidate, local, effect, effect.loss, compact, effect.leaf)
 
 
 def _local(site: Site, taps: Taps) -> tuple[Optional[Diagnosis], Optional[dict]]:
@@ -438,73 +441,6 @@ def _local(site: Site, taps: Taps) -> tuple[Optional[Diagnosis], Optional[dict]]
     sig = analyze(c, r)
     local = detect(sig)
     return local, None if local.passed else _compact_signature(sig, c, r)
-
-
-def _effect_tree(state, metrics) -> dict:
-    if isinstance(state, dict) and "params" in state:
-        return {"loss": metrics["loss"], "params": state["params"]}
-    return {"loss": metrics["loss"], "state": state}
-
-
-@jax.jit
-def _relative_changes(got, golden):
-    """Per leaf: max |got - golden| / max(max |golden|, tiny), NaN-aware (inf when the
-    non-finite pattern differs)."""
-    def one(c, g):
-        if not jnp.issubdtype(g.dtype, jnp.inexact):
-            return jnp.where(jnp.all(c == g), 0.0, jnp.inf).astype(jnp.float32)
-        c32, g32 = c.astype(jnp.float32), g.astype(jnp.float32)
-        same_nan = jnp.isnan(c32) & jnp.isnan(g32)
-        d = jnp.where(same_nan, 0.0, jnp.abs(c32 - g32))
-        d = jnp.where(jnp.isnan(d), jnp.inf, d)
-        scale = jnp.maximum(jnp.max(jnp.where(jnp.isfinite(g32), jnp.abs(g32), 0.0)), 1e-30)
-        return jnp.max(d) / scale if d.size else jnp.float32(0)
-    return jax.tree.map(one, got, golden)
-
-
-def _reference_spread(replay, golden, state, batch) -> Any:
-    """Per effect leaf, the largest relative change between golden replays of the step (floats
-    on the host): all 0.0 for a deterministic reference (two replays agree bitwise); otherwise
-    the maximum over three replays' pairs, a steadier estimate of the reference's own spread."""
-    g = _effect_tree(*golden[:2])
-    runs = [_effect_tree(*replay.fn(-1, state, batch)[:2])]
-    first = jax.device_get(_relative_changes(runs[0], g))
-    if not any(float(v) > 0 for v in jax.tree.leaves(first)):
-        return jax.tree.map(float, first)
-    runs.append(_effect_tree(*replay.fn(-1, state, batch)[:2]))
-    more = jax.device_get((_relative_changes(runs[1], g), _relative_changes(runs[1], runs[0])))
-    return jax.tree.map(lambda *v: max(float(x) for x in v), first, *more)
-
-
-def diagnose_effect(golden, got, ref_spread=None) -> tuple[Diagnosis, str]:
-    """The effect of a step with the candidate, `got` = (new state, metrics), against the
-    golden step's `golden` = (new state, metrics): the Diagnosis of the leaf (loss or a param)
-    that changed most, relative to its own scale, and that leaf's path. One small reduction over all leaves picks
-    it, so the full analysis runs on one leaf (and compiles once per leaf shape, not per tree).
-
-    `ref_spread` (`_reference_spread`, when the reference is nondeterministic) excuses changes
-    within `REFERENCE_SPREAD_FACTOR` times the reference's own in every leaf: those pass as
-    `numerical_noise` with the evidence saying why."""
-    (gs, gm), (cs, cm) = golden, got
-    g_tree, c_tree = _effect_tree(gs, gm), _effect_tree(cs, cm)
-    rel = jax.tree_util.tree_flatten_with_path(jax.device_get(_relative_changes(c_tree, g_tree)))[0]
-    paths = [jax.tree_util.keystr(p) for p, _ in rel]
-    values = [float(v) for _, v in rel]
-    if ref_spread is not None:
-        own = [float(v) for v in jax.tree.leaves(ref_spread)]
-        # (+ 4 float32 ULPs: relative changes this small are quantised)
-        if all(v <= REFERENCE_SPREAD_FACTOR * o + 4 * 2.0 ** -23 for v, o in zip(values, own)):
-            k = int(np.argmax(values))
-            return Diagnosis(
-                "numerical_noise", True, 0.5,
-                {"reference_nondeterministic": True, "change": values[k],
-                 "reference_change": own[k]},
-                f"within the reference's own run-to-run difference ({values[k]:.3g} vs "
-                f"{own[k]:.3g} relative at {paths[k]}): the reference is nondeterministic"), paths[k]
-    k = int(np.argmax(values)) if any(v > 0 for v in values) else 0
-    leaf_c, leaf_g = jax.tree.leaves(c_tree)[k], jax.tree.leaves(g_tree)[k]
-    return detect(analyze(leaf_c, leaf_g)), paths[k]
-
 
 
 _MASK_SIDE = 48

@@ -1,0 +1,298 @@
+"""The effect of a candidate on one replayed training step, in training terms.
+
+Playback replays step c from its checkpoint twice: as the golden does it, and with the
+candidate at one site. The effect compares what the step produced (its loss and metrics, and
+its new params, or its new state where there is no ``params`` entry), leaf by leaf:
+
+  * change: a leaf's largest difference relative to its own scale, ``max|got - golden| /
+    max|golden|``;
+  * noise: what the golden itself allows on that leaf, the larger of `ROUNDING_ULPS` ULPs of the
+    leaf's dtype (relative) and `REFERENCE_SPREAD_FACTOR` times the reference's own
+    run-to-run change (0 for a deterministic reference);
+  * a leaf *moved* when its change exceeds its noise; ``noise_ratio`` is change / noise.
+
+For a state leaf the golden's update ``u = golden - before`` and the candidate's ``v = got -
+before`` give how much the step's update changed (``||got - golden|| / ||u||``) and the least
+squares factor ``k = <v, u> / <u, u>`` with its residual ``||v - k u|| / ||v||``.
+
+The effect's name (`peat_jax.taxonomy.STEP_EFFECTS`), by these sufficient conditions, the first
+that holds:
+  * ``nan_inf``: a leaf of the candidate's step has a non-finite value where the golden's is
+    finite;
+  * ``masked``: no leaf moved;
+  * ``sign_reversed`` / ``update_scaled``: only state leaves moved (loss and metrics within
+    noise), each with a residual <= `FIT_TOLERANCE`, and their factors agree within
+    `FIT_TOLERANCE` (relative): ``sign_reversed`` when that factor is within `FIT_TOLERANCE`
+    of -1, ``update_scaled`` (factor reported) when it is at least `FIT_TOLERANCE` from 1;
+  * ``perturbed``: otherwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from peat_jax import formats, taxonomy
+from peat_jax.check import REFERENCE_SPREAD_FACTOR
+
+__all__ = ["FIT_TOLERANCE", "ROUNDING_ULPS", "Effect", "diagnose_effect", "effect_tree",
+           "reference_spread"]
+
+ROUNDING_ULPS = 4.0
+"""A leaf's change within this many ULPs of its dtype (relative to its scale) is rounding."""
+
+FIT_TOLERANCE = 0.05
+"""Relative tolerance of the update fits (``sign_reversed``, ``update_scaled``): the new state
+is rounded to its own grid, so a small update is measured with a relative error of
+ULP(param) / |update|."""
+
+_OUTPUTS = ("loss", "metrics")  # the step's outputs; every other top-level entry is state
+
+
+@dataclasses.dataclass(frozen=True)
+class Effect:
+    """What a candidate at one site did to one replayed training step.
+
+    Attributes:
+      model: the effect's name, one of `peat_jax.taxonomy.EFFECTS` (``masked``, ...).
+      passed: True for ``masked``.
+      summary: one line saying what changed and by how much.
+      moved: paths (``params/Dense_0/kernel``, ``loss``, ``metrics/accuracy``) of the leaves
+        whose change exceeds their noise, most-moved first.
+      nonfinite: paths of the leaves with a non-finite value where the golden's is finite.
+      leaf: the leaf with the largest change against its noise ("" when nothing differs).
+      noise_ratio: that leaf's change / its noise ("x times the noise"; inf for a non-finite
+        value, 0.0 when bitwise equal).
+      change: that leaf's ``max|got - golden| / max|golden|``.
+      noise: that leaf's noise, relative to its scale like `change`.
+      reference_spread: that leaf's run-to-run change between golden replays (0.0: the
+        reference is deterministic).
+      update_change: for a state leaf, ``||got - golden|| / ||golden - before||`` (1.0: the
+        step's update changed by as much as the update itself); None otherwise.
+      update_factor: the common factor of the moved leaves' updates for ``update_scaled`` /
+        ``sign_reversed``; None otherwise.
+      loss: (golden, with candidate) loss of the step.
+      metrics: the step's other metrics, name -> (golden, with candidate).
+    """
+
+    model: str
+    passed: bool
+    summary: str
+    moved: tuple[str, ...] = ()
+    nonfinite: tuple[str, ...] = ()
+    leaf: str = ""
+    noise_ratio: float = 0.0
+    change: float = 0.0
+    noise: float = 0.0
+    reference_spread: float = 0.0
+    update_change: Optional[float] = None
+    update_factor: Optional[float] = None
+    loss: tuple[float, float] = (math.nan, math.nan)
+    metrics: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (one line of results.jsonl's ``effect``)."""
+        d = dataclasses.asdict(self)
+        d.update(moved=list(self.moved), nonfinite=list(self.nonfinite), loss=list(self.loss),
+                 metrics={k: list(v) for k, v in self.metrics.items()})
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Effect":
+        """The Effect of `to_dict`'s output; an effect recorded by an older version (a Diagnosis
+        dict: model, passed, summary, evidence) is read as ``masked`` when it passed,
+        ``nan_inf`` when it said so and ``perturbed`` otherwise, with its summary kept."""
+        if "moved" not in d:
+            return _from_diagnosis(d)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in fields}
+        kw.update(moved=tuple(d.get("moved", ())), nonfinite=tuple(d.get("nonfinite", ())),
+                  loss=tuple(d.get("loss", (math.nan,) * 2)),
+                  metrics={k: tuple(v) for k, v in (d.get("metrics") or {}).items()})
+        return cls(**kw)
+
+
+def _from_diagnosis(d: Mapping[str, Any]) -> Effect:
+    passed = bool(d.get("passed"))
+    name = "masked" if passed else "nan_inf" if d.get("model") == "nan_inf" else "perturbed"
+    return Effect(model=name, passed=passed,
+                  summary=f"{name} (recorded as {d.get('model', '?')}: {d.get('summary', '')})")
+
+
+def effect_tree(state, metrics) -> dict:
+    """What the effect compares of a step's `(new state, metrics)`: ``loss``, the other
+    ``metrics``, and ``params`` (or the whole ``state`` where it has no ``params`` entry)."""
+    out = {"loss": metrics["loss"], "metrics": {k: v for k, v in metrics.items() if k != "loss"}}
+    out.update(state_part(state))
+    return out
+
+
+def state_part(state) -> dict:
+    """The state leaves the effect follows: ``{"params": ...}``, or ``{"state": state}``."""
+    if isinstance(state, dict) and "params" in state:
+        return {"params": state["params"]}
+    return {"state": state}
+
+
+@jax.jit
+def _changes(got, golden):
+    """Per leaf, a float32 pair: (max |got - golden| / max(max |golden|, tiny), 1.0 where the
+    candidate has a non-finite value where the golden's is finite), NaN-aware (change inf when
+    the non-finite pattern differs)."""
+    def one(c, g):
+        if not jnp.issubdtype(g.dtype, jnp.inexact):
+            return jnp.stack([jnp.where(jnp.all(c == g), 0.0, jnp.inf), 0.0]).astype(jnp.float32)
+        c32, g32 = c.astype(jnp.float32), g.astype(jnp.float32)
+        new_bad = jnp.any(~jnp.isfinite(c32) & jnp.isfinite(g32))
+        d = jnp.where(jnp.isnan(c32) & jnp.isnan(g32), 0.0, jnp.abs(c32 - g32))
+        d = jnp.where(jnp.isnan(d), jnp.inf, d)
+        scale = jnp.maximum(jnp.max(jnp.where(jnp.isfinite(g32), jnp.abs(g32), 0.0)), 1e-30)
+        change = jnp.max(d) / scale if d.size else jnp.float32(0)
+        return jnp.stack([change, new_bad.astype(jnp.float32)])
+    return jax.tree.map(one, got, golden)
+
+
+@jax.jit
+def _update_fits(got, golden, before):
+    """Per state leaf, a float32 triple: (update change ||got - golden|| / ||u||, factor
+    k = <v, u> / <u, u>, residual ||v - k u|| / ||v||) with u = golden - before and
+    v = got - before (NaN for a leaf that is not a float)."""
+    def one(c, g, b):
+        if not jnp.issubdtype(g.dtype, jnp.floating) or not g.size:
+            return jnp.full((3,), jnp.nan, jnp.float32)
+        u, v = g.astype(jnp.float32) - b, c.astype(jnp.float32) - b
+        s = jnp.maximum(jnp.maximum(jnp.max(jnp.abs(u)), jnp.max(jnp.abs(v))), 1e-30)
+        u, v = u / s, v / s  # no overflow in the sums of squares
+        uu = jnp.sum(u * u)
+        k = jnp.sum(v * u) / uu
+        resid = jnp.sqrt(jnp.sum((v - k * u) ** 2) / jnp.maximum(jnp.sum(v * v), 1e-30))
+        return jnp.stack([jnp.sqrt(jnp.sum((v - u) ** 2) / uu), k, resid])
+    return jax.tree.map(one, got, golden, before)
+
+
+def _named(tree) -> dict[str, Any]:
+    """The leaves of `tree` by path name (``params/Dense_0/kernel``), on the host."""
+    flat = jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]
+    return {_path_name(p): v for p, v in flat}
+
+
+def _path_name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def reference_spread(replay: Callable[[], tuple], golden) -> Any:
+    """Per effect leaf (`effect_tree`), the largest relative change between golden replays of
+    the step (floats on the host): all 0.0 for a deterministic reference (two replays agree
+    bitwise); otherwise the maximum over three replays' pairs, a steadier estimate of the
+    reference's own spread. `replay()` runs the golden step again; `golden` is its first
+    `(new state, metrics)`."""
+    def rel(a, b):
+        return jax.tree.map(lambda x: float(x[0]), jax.device_get(_changes(a, b)))
+
+    g = effect_tree(*golden[:2])
+    runs = [effect_tree(*replay()[:2])]
+    first = rel(runs[0], g)
+    if not any(v > 0 for v in jax.tree.leaves(first)):
+        return first
+    runs.append(effect_tree(*replay()[:2]))
+    return jax.tree.map(max, first, rel(runs[1], g), rel(runs[1], runs[0]))
+
+
+def diagnose_effect(golden, got, ref_spread=None, before=None) -> Effect:
+    """The effect of a step with the candidate, `got` = (new state, metrics), against the
+    golden step's `golden` = (new state, metrics).
+
+    Args:
+      golden, got: the golden's and the candidate's `(new state, metrics)` of the same step.
+      ref_spread: `reference_spread` of the step (None: a deterministic reference).
+      before: the state the step started from (for the update measures; None: without them).
+
+    Returns:
+      An `Effect` named by the sufficient conditions in this module's docstring.
+    """
+    (gs, gm), (cs, cm) = golden, got
+    g_tree = effect_tree(gs, gm)
+    changes = _named(_changes(effect_tree(cs, cm), g_tree))  # path -> (change, new non-finite)
+    spreads = _named(ref_spread) if ref_spread is not None else {}
+    noise = {p: max(REFERENCE_SPREAD_FACTOR * float(spreads.get(p, 0.0)),
+                    ROUNDING_ULPS * _eps(leaf)) for p, leaf in _named(g_tree).items()}
+    ratio = {p: _ratio(float(v[0]), noise[p]) for p, v in changes.items()}
+    moved = tuple(sorted((p for p in ratio if ratio[p] > 1.0), key=lambda p: -ratio[p]))
+    fits = {} if before is None else _named(
+        _update_fits(state_part(cs), state_part(gs), state_part(before)))
+    fits = {p: tuple(float(x) for x in v) for p, v in fits.items()}
+    top = max(ratio, key=lambda p: ratio[p]) if any(r > 0 for r in ratio.values()) else ""
+    nonfinite = tuple(p for p in moved if changes[p][1])
+    name, factor = _name(moved, nonfinite, fits)
+    update_change = fits.get(top, (math.nan,))[0]
+    e = Effect(model=name, passed=name == "masked", summary="", moved=moved, nonfinite=nonfinite,
+               leaf=top,
+               noise_ratio=ratio.get(top, 0.0), change=float(changes[top][0]) if top else 0.0,
+               noise=noise.get(top, 0.0), reference_spread=float(spreads.get(top, 0.0)),
+               update_change=None if math.isnan(update_change) else update_change,
+               update_factor=factor, loss=(float(gm["loss"]), float(cm["loss"])),
+               metrics={k: (float(gm[k]), float(cm[k])) for k in gm
+                        if k != "loss" and np.ndim(gm[k]) == 0})
+    return dataclasses.replace(e, summary=_summary(e))
+
+
+def _eps(leaf) -> float:
+    """The relative rounding unit of `leaf`'s dtype (0.0 for a leaf that is not a float)."""
+    dtype = jnp.result_type(leaf)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        dtype = jnp.finfo(dtype).dtype
+    return formats.float_format(dtype).eps if jnp.issubdtype(dtype, jnp.floating) else 0.0
+
+
+def _ratio(change: float, noise: float) -> float:
+    if change == 0.0:
+        return 0.0
+    return change / noise if noise > 0 else math.inf
+
+
+def _name(moved: tuple[str, ...], nonfinite: tuple[str, ...],
+          fits: Mapping[str, tuple[float, float, float]]) -> tuple[str, Optional[float]]:
+    """The effect's name by the module's sufficient conditions, and the update factor (None
+    unless ``update_scaled`` / ``sign_reversed``)."""
+    if nonfinite:
+        return "nan_inf", None
+    if not moved:
+        return "masked", None
+    if any(p not in fits or not fits[p][2] <= FIT_TOLERANCE for p in moved):
+        return "perturbed", None
+    ks = [fits[p][1] for p in moved]
+    k = float(np.median(ks))
+    if any(abs(x - k) > FIT_TOLERANCE * max(1.0, abs(k)) for x in ks):
+        return "perturbed", None
+    if abs(k + 1.0) <= FIT_TOLERANCE:
+        return "sign_reversed", k
+    if abs(k - 1.0) >= FIT_TOLERANCE:
+        return "update_scaled", k
+    return "perturbed", None
+
+
+def _summary(e: Effect) -> str:
+    """One line: the name, what moved and how much, the loss golden -> with candidate."""
+    loss = f"loss {e.loss[0]:.6g} -> {e.loss[1]:.6g}"
+    metrics = "".join(f", {k} {g:.4g} -> {c:.4g}" for k, (g, c) in e.metrics.items() if g != c)
+    if e.model == "nan_inf":
+        n = len(e.nonfinite)
+        bad = ", ".join(e.nonfinite[:3]) + (f" and {n - 3} more" if n > 3 else "")
+        return f"nan_inf: non-finite values where the golden's are finite ({bad}); {loss}"
+    if e.model == "masked":
+        why = (" (the reference's own run-to-run change)" if e.reference_spread > 0 else "")
+        largest = f"; largest {e.leaf} at {e.noise_ratio:.2g}x its noise{why}" if e.leaf else             "; bitwise equal"
+        return f"masked: every leaf within the golden's noise{largest}; {loss}"
+    more = f" (and {len(e.moved) - 1} more leaves)" if len(e.moved) > 1 else ""
+    what = f"{e.leaf} moved {e.noise_ratio:.3g}x its step noise{more}"
+    if e.model == "sign_reversed":
+        what += "; its update is the golden's negated"
+    elif e.model == "update_scaled":
+        what += f"; its update is {e.update_factor:.3g}x the golden's"
+    elif e.update_change is not None:
+        what += f"; its update changed by {100 * e.update_change:.3g}% of the golden's"
+    return f"{e.model}: {what}; {loss}{metrics}"
