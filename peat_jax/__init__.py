@@ -17,6 +17,7 @@ from peat_jax.kernels import Kernel
 from peat_jax.profiler import (GoldenRun, RuntimeResult, Workload, profile, register_workload,
                                registered_workloads)
 from peat_jax.profiler.compare import Comparison, RunComparison, compare, compare_runs
+from peat_jax.profiler.effect import Effect
 from peat_jax.profiler.nan_origin import NanOrigin
 from peat_jax.profiler.playback import CellTimeout, PlaybackResult, playback
 from peat_jax.profiler.runtime import runtime
@@ -31,6 +32,7 @@ __all__ = [
     "CellTimeout",
     "Comparison",
     "Diagnosis",
+    "Effect",
     "Fault",
     "GoldenRun",
     "Kernel",

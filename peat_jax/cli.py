@@ -278,16 +278,17 @@ def cmd_profile(args) -> int:
 
 def _cells_table(title: str, records: list[dict]):
     from rich.table import Table
+
+    from peat_jax.profiler.effect import Effect
     t = Table(title=title)
     for col in ("step", "site", "phase", "primitive", "path", "local", "effect on step"):
         t.add_column(col)
     for r in records:
         loc = r.get("local") or {}
-        eff = r.get("effect") or {}
-        style = "green" if loc.get("passed", eff.get("passed", False)) else "red"
-        # the effect is what the local error did to the step's loss and params: its shape is
-        # whatever the training math made of it, so only "unchanged or not" is shown here
-        effect = eff.get("model", "-") if eff.get("passed", True) else "changed"
+        eff = None if r.get("effect") is None else Effect.from_dict(r["effect"])
+        passed = loc.get("passed", eff is not None and eff.passed)
+        style = "green" if passed else "red"
+        effect = "-" if eff is None else f"[{'green' if eff.passed else 'red'}]{eff.short()}[/]"
         t.add_row(str(r["checkpoint"]), str(r["site"]), r.get("phase", ""), r.get("primitive", ""),
                   r.get("path", ""), f"[{style}]{loc.get('model', r.get('status', '-'))}[/]", effect)
     return t

@@ -14,6 +14,7 @@ from typing import Mapping, Optional
 __all__ = [
     "ALLOWED_COLOUR",
     "EFFECTS",
+    "EFFECT_BY_NAME",
     "ERROR_MODELS",
     "ErrorModel",
     "MODELS",
@@ -25,6 +26,7 @@ __all__ = [
     "TRAINING_OUTCOMES",
     "TrainingOutcome",
     "colour",
+    "effect_colour",
     "fault_constructor",
     "severity_rank",
 ]
@@ -210,3 +212,12 @@ STEP_EFFECTS: tuple[StepEffect, ...] = (
 
 EFFECTS: tuple[str, ...] = tuple(e.name for e in STEP_EFFECTS)
 """Every effect name playback's `diagnose_effect` can return."""
+
+EFFECT_BY_NAME: Mapping[str, StepEffect] = {e.name: e for e in STEP_EFFECTS}
+
+
+def effect_colour(name: str) -> str:
+    """The report's colour of a step effect `name` (CSS colour; red for a name outside the
+    table)."""
+    effect = EFFECT_BY_NAME.get(name)
+    return _RED if effect is None else effect.colour

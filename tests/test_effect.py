@@ -101,6 +101,7 @@ def test_tripled_weight_gradient_names_the_leaf_and_how_far_it_moved(mlp_run):
         assert 0 < e.update_change < 2.0
         assert "% of the golden's" in e.summary
     assert f"params/w2 moved {e.noise_ratio:.3g}x its step noise" in e.summary
+    assert e.short().startswith(f"{e.model}") and "params/w2" in e.short()  # the CLI's cell
     # every other backward site is untouched by this kernel
     others = [c.effect for c in res.cells if c is not hit[0]]
     assert others and all(o.model == "masked" for o in others)

@@ -38,6 +38,9 @@ def test_report_lists_verdicts_and_runtime_curves(run):
     records = [json.loads(x) for x in (run / "campaigns" / "evil" / "results.jsonl").read_text().splitlines()]
     assert all(r["local"]["model"] == "wrong_scale" for r in records)
     assert "ULP distance" in page and "error mask" in page
+    # each cell also says what the candidate did to the step, in training terms
+    assert "step: perturbed" in page and "Effect on the step: <b class='fail'>perturbed" in page
+    assert "change / the golden&#x27;s noise" in page and "loss" in page
 
 
 def test_report_of_a_missing_run_is_a_clear_error(tmp_path):

@@ -24,3 +24,12 @@ def test_each_model_names_a_real_fault_and_a_colour():
     assert taxonomy.severity_rank("nan_inf") > taxonomy.severity_rank("bit_flip")
     assert taxonomy.severity_rank("not_a_model") == taxonomy.severity_rank("unknown")
     assert faults.describe(faults.zero(0.5)) == "zero(fraction=0.5)"
+
+
+def test_step_effects_have_their_own_words():
+    names = taxonomy.EFFECTS
+    assert len(set(names)) == len(names) and [e.name for e in taxonomy.STEP_EFFECTS if e.passes] == ["masked"]
+    # the step's effect is not described with the local error models' precision words
+    assert not {"reduced_precision", "low_precision_accumulation", "exact"} & set(names)
+    assert taxonomy.effect_colour("masked") != taxonomy.effect_colour("perturbed")
+    assert taxonomy.effect_colour("not_an_effect") == taxonomy.colour("unknown", False)

@@ -101,6 +101,19 @@ class Effect:
                  metrics={k: list(v) for k, v in self.metrics.items()})
         return d
 
+    def short(self) -> str:
+        """A table cell's worth: ``masked``, or the name, the most-moved leaf and how far, and
+        the loss where it changed (``perturbed: params/head/kernel 37x noise; loss 2.301 ->
+        2.304``)."""
+        if self.passed or not self.leaf:
+            return self.model
+        head = f"{self.model} x{self.update_factor:.3g}" if self.model == "update_scaled" \
+            else self.model
+        where = self.nonfinite[0] if self.nonfinite else f"{self.leaf} {self.noise_ratio:.2g}x noise"
+        loss = f"; loss {self.loss[0]:.4g} -> {self.loss[1]:.4g}" if self.loss[0] != self.loss[1] \
+            else ""
+        return f"{head}: {where}{loss}"
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Effect":
         """The Effect of `to_dict`'s output; an effect recorded by an older version (a Diagnosis
@@ -229,7 +242,7 @@ def diagnose_effect(golden, got, ref_spread=None, before=None) -> Effect:
     nonfinite = tuple(p for p in moved if changes[p][1])
     name, factor = _name(moved, nonfinite, fits)
     update_change = fits.get(top, (math.nan,))[0]
-    e = Effect(model=name, passed=name == "masked", summary="", moved=moved, nonfinite=nonfinite,
+    e = Effect(model=name, passed=taxonomy.EFFECT_BY_NAME[name].passes, summary="", moved=moved, nonfinite=nonfinite,
                leaf=top,
                noise_ratio=ratio.get(top, 0.0), change=float(changes[top][0]) if top else 0.0,
                noise=noise.get(top, 0.0), reference_spread=float(spreads.get(top, 0.0)),

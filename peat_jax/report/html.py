@@ -17,6 +17,7 @@ from typing import Any, Optional
 from peat_jax import taxonomy
 from peat_jax.errors import PeatError
 from peat_jax.profiler.compare import PROPAGATED_RTOL, read_comparisons
+from peat_jax.profiler.effect import Effect
 from peat_jax.profiler.nan_origin import NanOrigin
 from peat_jax.profiler.rundir import PathLike, RunDir, read_jsonl
 from peat_jax.report.plots import bar_chart, line_chart, mask_image
@@ -91,20 +92,23 @@ def _playback_section(name: str, records: list[dict]) -> str:
             if r is None:
                 cells.append('<td class="none">-</td>')
                 continue
-            local, effect = r.get("local"), r.get("effect")
-            label = (local or effect or {}).get("model", r.get("status", "?"))
-            tip = (local or {}).get("summary", "") or r.get("error", "")
+            local, effect = r.get("local"), _effect(r)
+            label = (local or {}).get("model", r.get("status", "?"))
+            tip = "; ".join(x for x in ((local or {}).get("summary", ""), r.get("error", ""),
+                                        effect.summary if effect else "") if x)
             broken = r.get("status") in ("crashed", "timeout")
-            colour = "#6a1b9a;color:#fff" if broken else _colour(local or effect)
-            cells.append(f'<td style="background:{colour}" title="{_e(tip)}">'
-                         f"{_e(r['status'] if broken else label)}</td>")
+            colour = ("#6a1b9a;color:#fff" if broken else _colour(local) if local else
+                      taxonomy.effect_colour(effect.model) if effect else _colour(None))
+            text = _e(r["status"]) if broken else "<br>".join(
+                _e(x) for x in (local and label, effect and f"step: {effect.model}") if x)
+            cells.append(f'<td style="background:{colour}" title="{_e(tip)}">{text}</td>')
         rows.append(f"<tr><th>#{_e(s)} {_e(r0.get('phase', ''))} {_e(r0.get('primitive', ''))}"
                     f" <span class='muted'>{_e(r0.get('path', ''))}</span></th>{''.join(cells)}</tr>")
     out = [f'<h2 id="campaign-{_e(name)}">Playback campaign: {_e(name)}</h2>',
            f"<p>Candidate: <code>{_e(records[0].get('candidate', '?'))}</code>. Each cell replays the "
            "checkpointed step with the candidate at one site; colour = local diagnosis at the site "
            "(green passes, amber numeric, red fault or bug, purple: the candidate crashed or timed "
-           "out).</p>",
+           "out); below it, the effect on the step (masked: within the golden's own noise).</p>",
            f'<table class="grid verdicts"><tr><th>site</th>{head}</tr>{"".join(rows)}</table>']
     failing = [r for r in records if r.get("local") and not r["local"].get("passed", True)]
     crashed = [r for r in records if r.get("status") in ("crashed", "timeout")]
@@ -145,11 +149,32 @@ def _failing_cell(r: dict) -> str:
     if ev:
         parts.append(_table([(k, json.dumps(v) if not isinstance(v, str) else v)
                              for k, v in list(ev.items())[:20]]))
-    eff = r.get("effect") or {}
-    parts.append(f"<p>Effect on the step: <b>{_e(eff.get('model', '?'))}</b> "
-                 f"{_e(eff.get('summary', ''))}; loss golden {_e(r.get('loss', ['?', '?'])[0])}, "
-                 f"with candidate {_e(r.get('loss', ['?', '?'])[1])}</p></div>")
-    return "".join(parts)
+    parts.append(_effect_part(_effect(r)))
+    return "".join(parts) + "</div>"
+
+
+def _effect(r: dict) -> Optional[Effect]:
+    """The cell's effect (an effect recorded by an older version read as an Effect)."""
+    return None if r.get("effect") is None else Effect.from_dict(r["effect"])
+
+
+def _effect_part(eff: Optional[Effect]) -> str:
+    """The effect on the step: its name and summary, and where something moved, the leaves and
+    the step's outputs golden vs with the candidate."""
+    if eff is None:
+        return "<p>Effect on the step: none recorded.</p>"
+    out = (f"<p>Effect on the step: <b class='{'pass' if eff.passed else 'fail'}'>"
+           f"{_e(eff.model)}</b> &mdash; {_e(eff.summary)}</p>")
+    if eff.passed or not eff.leaf:
+        return out
+    rows = [("moved (most first)", ", ".join(eff.moved[:8]) + (" ..." if len(eff.moved) > 8 else "")),
+            (f"{eff.leaf}: change / the golden's noise", f"{eff.noise_ratio:.3g}x "
+             f"({eff.change:.3g} vs {eff.noise:.3g} relative)")]
+    if eff.update_change is not None:
+        rows.append((f"{eff.leaf}: change / the golden's update", f"{eff.update_change:.3g}"))
+    rows += [(name, f"{g:.6g} -> {c:.6g}") for name, (g, c) in
+             [("loss", eff.loss), *eff.metrics.items()]]
+    return out + _table(rows)
 
 
 def _runtime_section(name: str, res: dict) -> str:
