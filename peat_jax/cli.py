@@ -278,14 +278,12 @@ def cmd_profile(args) -> int:
 
 def _cells_table(title: str, records: list[dict]):
     from rich.table import Table
-
-    from peat_jax.profiler.effect import Effect
     t = Table(title=title)
     for col in ("step", "site", "phase", "primitive", "path", "local", "effect on step"):
         t.add_column(col)
     for r in records:
         loc = r.get("local") or {}
-        eff = None if r.get("effect") is None else Effect.from_dict(r["effect"])
+        eff = None if r.get("effect") is None else peat.Effect.from_dict(r["effect"])
         passed = loc.get("passed", eff is not None and eff.passed)
         style = "green" if passed else "red"
         effect = "-" if eff is None else f"[{'green' if eff.passed else 'red'}]{eff.short()}[/]"

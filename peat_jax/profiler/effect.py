@@ -230,22 +230,21 @@ def diagnose_effect(golden, got, ref_spread=None, before=None) -> Effect:
     (gs, gm), (cs, cm) = golden, got
     g_tree = effect_tree(gs, gm)
     changes = _named(_changes(effect_tree(cs, cm), g_tree))  # path -> (change, new non-finite)
-    spreads = _named(ref_spread) if ref_spread is not None else {}
-    noise = {p: max(REFERENCE_SPREAD_FACTOR * float(spreads.get(p, 0.0)),
-                    ROUNDING_ULPS * _eps(leaf)) for p, leaf in _named(g_tree).items()}
+    spreads = {p: float(v) for p, v in _named(ref_spread).items()} if ref_spread else {}
+    noise = {p: max(REFERENCE_SPREAD_FACTOR * spreads.get(p, 0.0), ROUNDING_ULPS * eps)
+             for p, eps in _named(jax.tree.map(_eps, g_tree)).items()}
     ratio = {p: _ratio(float(v[0]), noise[p]) for p, v in changes.items()}
     moved = tuple(sorted((p for p in ratio if ratio[p] > 1.0), key=lambda p: -ratio[p]))
-    fits = {} if before is None else _named(
-        _update_fits(state_part(cs), state_part(gs), state_part(before)))
-    fits = {p: tuple(float(x) for x in v) for p, v in fits.items()}
-    top = max(ratio, key=lambda p: ratio[p]) if any(r > 0 for r in ratio.values()) else ""
     nonfinite = tuple(p for p in moved if changes[p][1])
+    fits = {} if before is None else {p: tuple(float(x) for x in v) for p, v in _named(
+        _update_fits(state_part(cs), state_part(gs), state_part(before))).items()}
     name, factor = _name(moved, nonfinite, fits)
+    top = max(ratio, key=ratio.get) if any(r > 0 for r in ratio.values()) else ""
     update_change = fits.get(top, (math.nan,))[0]
-    e = Effect(model=name, passed=taxonomy.EFFECT_BY_NAME[name].passes, summary="", moved=moved, nonfinite=nonfinite,
-               leaf=top,
-               noise_ratio=ratio.get(top, 0.0), change=float(changes[top][0]) if top else 0.0,
-               noise=noise.get(top, 0.0), reference_spread=float(spreads.get(top, 0.0)),
+    e = Effect(model=name, passed=taxonomy.EFFECT_BY_NAME[name].passes, summary="",
+               moved=moved, nonfinite=nonfinite, leaf=top, noise_ratio=ratio.get(top, 0.0),
+               change=float(changes[top][0]) if top else 0.0, noise=noise.get(top, 0.0),
+               reference_spread=spreads.get(top, 0.0),
                update_change=None if math.isnan(update_change) else update_change,
                update_factor=factor, loss=(float(gm["loss"]), float(cm["loss"])),
                metrics={k: (float(gm[k]), float(cm[k])) for k in gm
