@@ -121,7 +121,7 @@ def main() -> None:
                 if rec["checkpoint"] != ckpt:
                     continue
                 got = jax.jit(peat.substitute(wl.train_step, {rec["site"]: kernel}))(state, batch)
-                diagnose_effect((golden[0], golden[1]), (got[0], got[1]))
+                diagnose_effect((golden[0], golden[1]), (got[0], got[1]), before=state)
             dt = time.perf_counter() - t0
             t_re += dt
             if ckpt == 10:
