@@ -50,8 +50,6 @@ FIT_TOLERANCE = 0.05
 is rounded to its own grid, so a small update is measured with a relative error of
 ULP(param) / |update|."""
 
-_OUTPUTS = ("loss", "metrics")  # the step's outputs; every other top-level entry is state
-
 
 @dataclasses.dataclass(frozen=True)
 class Effect:
@@ -159,13 +157,14 @@ def _changes(got, golden):
     def one(c, g):
         if not jnp.issubdtype(g.dtype, jnp.inexact):
             return jnp.stack([jnp.where(jnp.all(c == g), 0.0, jnp.inf), 0.0]).astype(jnp.float32)
-        c32, g32 = c.astype(jnp.float32), g.astype(jnp.float32)
+        ft = jnp.promote_types(g.dtype, jnp.float32)  # float64 leaves measured as such
+        c32, g32 = c.astype(ft), g.astype(ft)
         new_bad = jnp.any(~jnp.isfinite(c32) & jnp.isfinite(g32))
         d = jnp.where(jnp.isnan(c32) & jnp.isnan(g32), 0.0, jnp.abs(c32 - g32))
         d = jnp.where(jnp.isnan(d), jnp.inf, d)
         scale = jnp.maximum(jnp.max(jnp.where(jnp.isfinite(g32), jnp.abs(g32), 0.0)), 1e-30)
         change = jnp.max(d) / scale if d.size else jnp.float32(0)
-        return jnp.stack([change, new_bad.astype(jnp.float32)])
+        return jnp.stack([change.astype(jnp.float32), new_bad.astype(jnp.float32)])
     return jax.tree.map(one, got, golden)
 
 
@@ -254,7 +253,7 @@ def diagnose_effect(golden, got, ref_spread=None, before=None) -> Effect:
 
 def _eps(leaf) -> float:
     """The relative rounding unit of `leaf`'s dtype (0.0 for a leaf that is not a float)."""
-    dtype = jnp.result_type(leaf)
+    dtype = getattr(leaf, "dtype", None) or np.asarray(leaf).dtype
     if jnp.issubdtype(dtype, jnp.complexfloating):
         dtype = jnp.finfo(dtype).dtype
     return formats.float_format(dtype).eps if jnp.issubdtype(dtype, jnp.floating) else 0.0
