@@ -163,8 +163,9 @@ def _effect_part(eff: Optional[Effect]) -> str:
     the step's outputs golden vs with the candidate."""
     if eff is None:
         return "<p>Effect on the step: none recorded.</p>"
+    head, _, rest = eff.summary.partition(": ")  # the summary opens with the name
     out = (f"<p>Effect on the step: <b class='{'pass' if eff.passed else 'fail'}'>"
-           f"{_e(eff.model)}</b> &mdash; {_e(eff.summary)}</p>")
+           f"{_e(eff.model)}</b> &mdash; {_e(rest if head == eff.model else eff.summary)}</p>")
     if eff.passed or not eff.leaf:
         return out
     rows = [("moved (most first)", ", ".join(eff.moved[:8]) + (" ..." if len(eff.moved) > 8 else "")),
