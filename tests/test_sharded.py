@@ -101,14 +101,32 @@ def _spans(state) -> set:
     return {len(leaf.sharding.device_set) for leaf in jax.tree.leaves(state)}
 
 
+def _check_stats_over_shards(wl: peat.Workload, directory: Path) -> None:
+    """The step-0 statistics of the first forward GEMM (inside the shard_map): those of the
+    whole batch's product, though each shard computed a quarter of it."""
+    from peat_jax.profiler.site_stats import read_sites, read_step
+    recorded = [s for s in read_sites(directory) if s.recorded]
+    first = next(k for k, s in enumerate(recorded)
+                 if s.primitive == "dot_general" and s.phase == "fwd")
+    assert tuple(recorded[first].shape) == (16 // DEVICES, 16), recorded[first].shape
+    x, _ = wl.batch(0)
+    product = np.asarray(x @ jax.device_get(wl.init(jax.random.key(0))["params"]["w1"]))
+    stats = read_step(directory, 0)
+    np.testing.assert_allclose(stats["absmax"][first], np.abs(product).max(), rtol=1e-6)
+    np.testing.assert_allclose(stats["mean"][first], product.mean(), rtol=1e-4, atol=1e-6)
+
+
 def check_profile_restore_playback(mode: str, run_dir: str) -> dict:
     """Profile, restore with the saved shardings, replay: golden replay bitwise, every site's
     fault seen."""
     from peat_jax.profiler.golden import restore
     assert jax.device_count() == DEVICES, jax.devices()
     wl = sharded_mlp(mode)
-    golden = peat.profile(wl, run_dir, steps=4, checkpoint_every=2)
+    golden = peat.profile(wl, run_dir, steps=4, checkpoint_every=2,
+                          stats_every=4 if mode == "shard_map" else None)
     assert golden.checkpoints == (0, 2, 4)
+    if mode == "shard_map":   # statistics inside the body, folded over the shards
+        _check_stats_over_shards(wl, Path(run_dir) / "golden" / "site_stats")
 
     # the state profile trained on, step by step, from the workload itself
     state = wl.init(jax.random.key(0))
