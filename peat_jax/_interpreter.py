@@ -12,9 +12,9 @@ in a fixed order: a `cond`'s branches in branch order, a `while`'s cond then bod
 Re-evaluation binds every equation that holds no selected site exactly as it was (same primitive,
 same params), so that a program with nothing substituted compiles to the same computation. A
 container with a selected site inside is rebuilt with the public constructors (`lax.scan`,
-`lax.while_loop`, `lax.switch`, `jax.checkpoint`, `jax.shard_map`) or inlined (`jit`, `closed_call`, custom
-derivative calls: their custom rule is dropped for the substituted evaluation and autodiff of the
-substituted body is used instead).
+`lax.while_loop`, `lax.switch`, `jax.checkpoint`, `jax.shard_map`) or inlined (`jit`,
+`closed_call`, custom derivative calls: their custom rule is dropped for the substituted
+evaluation and autodiff of the substituted body is used instead).
 """
 from __future__ import annotations
 

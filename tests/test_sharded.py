@@ -209,10 +209,12 @@ def check_errors(run_dir: str) -> dict:
     with pytest.raises(peat.PeatError, match=r"after step 1 .*\['w1'\].*with_sharding_constraint"):
         peat.profile(wl._replace(train_step=drifting), run_dir + "/drift", steps=2,
                      checkpoint_every=2)
+    assert sorted(os.listdir(run_dir + "/drift/checkpoints")) == ["0"]   # step 2's not saved
     peat.profile(wl, run_dir + "/ok", steps=2, checkpoint_every=2)
     with pytest.raises(peat.PeatError, match="sharded over 4 devices.*leave devices= out"):
         peat.playback(run_dir + "/ok", {"dot_general": peat.faults.scale(2.0)}, workload=wl,
                       devices=jax.devices())
+    assert not os.path.exists(run_dir + "/ok/campaigns")   # refused before anything is written
     return {"errors": 2}
 
 

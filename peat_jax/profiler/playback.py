@@ -203,11 +203,12 @@ def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
     checkpoints = _checkpoints(rd, manifest, checkpoints)
     with at_matmul_precision(recorded_precision(manifest)):  # as the golden run traced it
         state0 = _restore(rd, wl, checkpoints[0])
+        replay_devices = _replay_devices(state0, devices)
         traced, chosen = _trace(wl, state0, checkpoints[0], substitution, sites, regions)
         grid = [traced.sites[i] for i in chosen]
         camp = open_campaign(rd, name or campaign_name(substitution), host=host,
                              spec=campaign_spec(substitution, chosen.values(), grid, wl.name))
-        replay = Replay(traced, chosen, grid, _replay_devices(state0, devices))
+        replay = Replay(traced, chosen, grid, replay_devices)
         run = _Run(campaign=camp, replay=replay, chosen=chosen, cell_timeout=cell_timeout,
                    total=len(checkpoints) * len(grid), progress=progress)
         done = camp.done()
