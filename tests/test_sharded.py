@@ -3,9 +3,10 @@ profiles to Orbax with its shardings, restores onto them, and plays back with a 
 each site, the sites inside `shard_map` bodies included; the golden replay is bitwise the golden
 step, as on one device.
 
-The device count is fixed when jax starts, and the rest of the suite runs on one device, so each
-check runs in a child process of its own (this file run as a script) with
-``XLA_FLAGS=--xla_force_host_platform_device_count=4``.
+The device count is fixed when jax starts, and the rest of the suite runs on one device, so the
+checks run in one child process (this file run as a script: jax starts and the analyzer compiles
+once) with ``XLA_FLAGS=--xla_force_host_platform_device_count=4``; each test reads its check's
+result.
 """
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def _check_stats_over_shards(wl: peat.Workload, directory: Path) -> None:
 
 def check_profile_restore_playback(mode: str, run_dir: str) -> dict:
     """Profile, restore with the saved shardings, replay: golden replay bitwise, every site's
-    fault seen."""
+    fault seen; runtime injection bitwise until it fires."""
     from peat_jax.profiler.golden import restore
     assert jax.device_count() == DEVICES, jax.devices()
     wl = sharded_mlp(mode)
@@ -170,6 +171,12 @@ def check_profile_restore_playback(mode: str, run_dir: str) -> dict:
                          workload=wl, name="identity")
     assert all(c.effect.model == "exact" and c.local.model == "exact" for c in same.cells), \
         [(c.site.index, c.local.model, c.effect.model) for c in same.cells]
+
+    # runtime injection on the sharded state: bitwise the golden run until the candidate fires
+    r = peat.runtime(run_dir, {"dot_general": peat.faults.scale(2.0)}, peat.at_steps([2]),
+                     steps=4, workload=wl)
+    assert r.fired_steps == (2,) and r.losses[:2] == r.golden_losses[:2], r
+    assert r.losses[2] != r.golden_losses[2], r
     return {"mode": mode, "sites": len(dots), "inside_shard_map": len(inside),
             "spans": sorted(_spans(live[4]))}
 
