@@ -12,9 +12,9 @@ in a fixed order: a `cond`'s branches in branch order, a `while`'s cond then bod
 Re-evaluation binds every equation that holds no selected site exactly as it was (same primitive,
 same params), so that a program with nothing substituted compiles to the same computation. A
 container with a selected site inside is rebuilt with the public constructors (`lax.scan`,
-`lax.while_loop`, `lax.switch`, `jax.checkpoint`) or inlined (`jit`, `closed_call`, custom
-derivative calls: their custom rule is dropped for the substituted evaluation and autodiff of the
-substituted body is used instead).
+`lax.while_loop`, `lax.switch`, `jax.checkpoint`, `jax.shard_map`) or inlined (`jit`,
+`closed_call`, custom derivative calls: their custom rule is dropped for the substituted
+evaluation and autodiff of the substituted body is used instead).
 """
 from __future__ import annotations
 
@@ -184,7 +184,8 @@ def _join(a: str, b: str) -> str:
 # may instead return `WithSide(outs, side, reduce)`: `side` (a small pytree of arrays) is returned
 # by `evaluate` under the site's index. Inside a `scan` the per-iteration sides come out stacked
 # along a leading axis and `reduce(stacked) -> side` folds them; inside `remat` and inlined calls
-# they pass through; inside `while` and `cond` they are dropped (not available).
+# they pass through; inside `shard_map` they come out stacked over the shards and `reduce` folds
+# them the same way; inside `while` and `cond` they are dropped (not available).
 Rule = Callable[[Op, Sequence[Any], Callable[..., list]], Any]
 
 
@@ -306,6 +307,18 @@ def _rebuild(ctx: _Ctx, eqn, invals, base, stack, containers, sides) -> list:
         for k, v in stacked.items():
             sides[k] = ctx.reducers[k](v)
         return list(carry) + list(ys)
+    if name == "shard_map":
+        sm = _jax.shard_map_layout(eqn)
+
+        def per_shard(*a):
+            inner_sides: dict = {}
+            outs = run(sm.jaxpr, base, a, inner_sides)
+            return tuple(outs), jax.tree.map(lambda x: x[None], inner_sides)
+
+        outs, stacked = _jax.shard_map(per_shard, sm)(*invals)
+        for k, v in stacked.items():
+            sides[k] = ctx.reducers[k](v)
+        return list(outs)
     if name == "while":
         wl = _jax.while_layout(eqn)
         cj, bj, cn, bn = wl.cond_jaxpr, wl.body_jaxpr, wl.cond_nconsts, wl.body_nconsts

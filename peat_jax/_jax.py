@@ -14,6 +14,11 @@ Releases read before adapting: jax 0.10.2, 0.11.2, 0.12.0.1 (`jax/_src/core.py`,
   0.12 removed `jax._src.core.ClosedJaxpr` (the public alias `jax.extend.core.ClosedJaxpr` stays).
 - 0.11: `scan` lost `num_consts` / `num_carry` (and `linear`, `_split_transpose`); its operands
   are described by `ft_in` (a FlatTree of (consts, carry, xs)) and its results by `ft_out`.
+- `shard_map` (`jax/_src/shard_map.py`): the same params on all three (`mesh`, `in_specs`,
+  `out_specs` as flat tuples of PartitionSpecs, `jaxpr` an open jaxpr, `check_vma`,
+  `newly_manual_axes`) and the same public `jax.shard_map(f, mesh=, in_specs=, out_specs=,
+  axis_names=, check_vma=)` (older releases' `jax.experimental.shard_map` with `check_rep`,
+  `auto` and `in_names` / `out_names` params are below the tested range: `unsupported`).
 """
 from __future__ import annotations
 
@@ -29,10 +34,11 @@ import jax.extend.core as jex
 from peat_jax.errors import PeatError
 
 __all__ = [
-    "JAX_VERSION", "TESTED_RANGE", "Literal", "ScanLayout", "WhileLayout", "bind", "cache_size",
-    "call_body", "cond_branches", "cuda_versions", "eqn_context", "ffi_platform", "is_differentiating", "is_jaxpr",
-    "is_tracer", "jaxpr_body", "jaxpr_consts", "name_stack", "pallas_interpreter", "remat_layout",
-    "scan_layout", "sub_jaxprs", "unsupported", "while_layout",
+    "JAX_VERSION", "TESTED_RANGE", "Literal", "ScanLayout", "ShardMapLayout", "WhileLayout",
+    "bind", "cache_size", "call_body", "cond_branches", "cuda_versions", "eqn_context",
+    "ffi_platform", "is_differentiating", "is_jaxpr", "is_tracer", "jaxpr_body", "jaxpr_consts",
+    "name_stack", "pallas_interpreter", "remat_layout", "scan_layout", "shard_map",
+    "shard_map_layout", "sub_jaxprs", "unsupported", "while_layout",
 ]
 
 JAX_VERSION: str = jax.__version__
@@ -237,6 +243,44 @@ def remat_layout(eqn) -> RematLayout:
         raise unsupported(eqn.primitive.name, f"no `jaxpr` param (params {sorted(p)})")
     return RematLayout(jaxpr=p["jaxpr"], prevent_cse=bool(p.get("prevent_cse", True)),
                        policy=p.get("policy"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardMapLayout:
+    """A `shard_map` equation: its body, applied per shard of `mesh`, and how its flat operands
+    and results are split over the mesh axes `manual_axes`."""
+
+    jaxpr: Any
+    mesh: Any
+    in_specs: tuple
+    out_specs: tuple
+    manual_axes: frozenset
+    check_vma: bool
+
+
+def shard_map_layout(eqn) -> ShardMapLayout:
+    """How a `shard_map` equation maps its body over the mesh, on any supported release."""
+    p = eqn.params
+    try:
+        return ShardMapLayout(jaxpr=p["jaxpr"], mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
+                              out_specs=tuple(p["out_specs"]),
+                              manual_axes=frozenset(p["newly_manual_axes"]),
+                              check_vma=bool(p["check_vma"]))
+    except (KeyError, AttributeError, TypeError) as e:
+        raise unsupported("shard_map", f"{type(e).__name__}: {e} (params {sorted(p)})") from None
+
+
+def shard_map(fn, layout: ShardMapLayout):
+    """`fn` mapped over the shards of `layout.mesh` as the equation maps its body, with jax's
+    public `shard_map`. `fn(*operands) -> (outputs, extra)` where `extra`
+    is a pytree whose leaves carry a leading axis of size 1 (one per shard): they come out
+    stacked along that axis over the manual axes' shards, in mesh order."""
+    from jax.sharding import PartitionSpec
+    stacked = PartitionSpec(tuple(a for a in layout.mesh.axis_names if a in layout.manual_axes))
+    out_specs = (tuple(layout.out_specs), stacked)
+    return jax.shard_map(fn, mesh=layout.mesh, in_specs=tuple(layout.in_specs),
+                         out_specs=out_specs, axis_names=set(layout.manual_axes),
+                         check_vma=layout.check_vma)
 
 
 def scan_length(eqn) -> int:

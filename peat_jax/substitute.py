@@ -209,8 +209,11 @@ def _tapped(cand_typed, ref_typed, reference, k: int, width: int):
         return got, (_pad(got[k], width), _pad(ref[k], width))
 
     def ref(*vals):
-        zero = jnp.zeros((width,), jnp.float32)
-        return ref_typed(*vals), (zero, zero)
+        outs = ref_typed(*vals)
+        # zeros_like: inside `shard_map` they vary over the mesh like the candidate's taps, so
+        # that both branches of the switch have one type
+        zero = jnp.zeros_like(_pad(outs[k], width))
+        return outs, (zero, zero)
 
     return cand, ref
 

@@ -43,6 +43,7 @@ def _eqn(primitive: str, **params):
     (_jax.while_layout, "while", {"body_jaxpr": None}),
     (_jax.remat_layout, "checkpoint", {"policy": None}),
     (_jax.cond_branches, "cond", {"index": 0}),
+    (_jax.shard_map_layout, "shard_map", {"mesh": None, "in_specs": ()}),
 ])
 def test_an_unknown_equation_layout_is_a_clear_error(accessor, primitive, params):
     with pytest.raises(peat.PeatError) as e:

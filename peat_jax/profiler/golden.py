@@ -106,7 +106,20 @@ def _checked_against(manifest: dict, workload: Workload) -> Workload:
 
 
 def _abstract_state(workload: Workload, seed: int):
+    """The train state's leaves as `jax.ShapeDtypeStruct`s, with the shardings the workload
+    declares: those of a `jax.jit(init, out_shardings=...)` (None where it declares none)."""
     return jax.eval_shape(workload.init, jax.random.key(seed))
+
+
+def _off_layout(state, declared) -> Optional[str]:
+    """Where `state` is not laid out as `declared` (`_abstract_state`) says: the first such
+    leaf's path and both shardings, or None."""
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    for (path, leaf), want in zip(flat, jax.tree.leaves(declared)):
+        have, want = getattr(leaf, "sharding", None), getattr(want, "sharding", None)
+        if want is not None and have is not None and not have.is_equivalent_to(want, leaf.ndim):
+            return f"{jax.tree_util.keystr(path)} is laid out as {have}, init declares {want}"
+    return None
 
 
 def _manager(rd: RunDir):
@@ -149,7 +162,11 @@ def restore(run_dir: PathLike, step: int, *, workload: Optional[Workload] = None
     """The train state saved before `step` (restored with the abstract target, so optimizer
     states and typed PRNG keys come back with their own types). Raises a PeatError naming the
     checkpoint if it is missing or damaged (unreadable, or its values differ from the digest
-    recorded when it was saved); nothing on disk is changed."""
+    recorded when it was saved); nothing on disk is changed.
+
+    Each array is placed on the sharding the workload declares (`jax.eval_shape(init, key)`:
+    a `jax.jit(init, out_shardings=...)` declares them), which `profile` saved it with; where
+    none is declared, on the sharding Orbax saved with the checkpoint."""
     import orbax.checkpoint as ocp
     rd = RunDir(run_dir)
     m = rd.manifest()
@@ -371,12 +388,27 @@ class _Stepper:
         return state, metrics
 
 
+def _check_layout(workload: Workload, state, declared, i: int) -> None:
+    """PeatError (before the checkpoint is saved) when step `i` left the state on other shardings
+    than `init` declares: its checkpoints would be restored onto the declared ones, and the
+    replays would not compute what the golden run did."""
+    off = _off_layout(state, declared)
+    if off is not None:
+        raise PeatError(
+            f"workload {workload.name!r}: after step {i} the train state's {off}. A sharded "
+            "workload keeps its state on the shardings its init declares (end train_step "
+            "with jax.lax.with_sharding_constraint(new_state, shardings)), so that a "
+            "checkpoint restores onto the layout the golden run trained on; the checkpoint "
+            f"of step {i + 1} was not saved")
+
+
 def _train(workload: Workload, rd: RunDir, manifest: dict, stepper: _Stepper, seed: int,
            steps: int, every: int, resumed_from: Optional[int], progress: Progress):
     """`profile`'s training loop with its checkpoints and metrics; the final state."""
     import orbax.checkpoint as ocp
     identity = run_identity(manifest)
     wanted = checkpoint_steps(steps, every)
+    declared = _abstract_state(workload, seed)
     with quiet():
         mgr = _manager(rd)
         try:
@@ -399,6 +431,7 @@ def _train(workload: Workload, rd: RunDir, manifest: dict, stepper: _Stepper, se
                 state, metrics = stepper(rd, i, state, to_device(workload.batch(i)))
                 pending.append({"step": i, **scalar_metrics(metrics)})
                 if (i + 1) in wanted:
+                    _check_layout(workload, state, declared, i)
                     append_jsonl(rd.metrics_path, pending)
                     pending = []
                     _record_digest(rd, identity, i + 1, state)

@@ -167,6 +167,8 @@ def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
       devices: the devices to spread a checkpoint's cells over (default: all local devices). With
         several, each device replays its own cell with a real switch (`jax.shard_map` over a
         `cells` mesh axis), so k devices run k cells at a time on one more compiled executable.
+        A train state sharded over several devices replays one cell at a time on its own mesh
+        (devices= with several devices is then an error).
 
       host: `(index, count)`: this process replays only the cells whose ordinal in the grid is
         `index` mod `count`, writing `results.host<index>.jsonl` (default: from
@@ -203,11 +205,12 @@ def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
     checkpoints = _checkpoints(rd, manifest, checkpoints)
     with at_matmul_precision(recorded_precision(manifest)):  # as the golden run traced it
         state0 = _restore(rd, wl, checkpoints[0])
+        replay_devices = _replay_devices(state0, devices)
         traced, chosen = _trace(wl, state0, checkpoints[0], substitution, sites, regions)
         grid = [traced.sites[i] for i in chosen]
         camp = open_campaign(rd, name or campaign_name(substitution), host=host,
                              spec=campaign_spec(substitution, chosen.values(), grid, wl.name))
-        replay = Replay(traced, chosen, grid, jax.local_devices() if devices is None else devices)
+        replay = Replay(traced, chosen, grid, replay_devices)
         run = _Run(campaign=camp, replay=replay, chosen=chosen, cell_timeout=cell_timeout,
                    total=len(checkpoints) * len(grid), progress=progress)
         done = camp.done()
@@ -237,6 +240,21 @@ def _checkpoints(rd: RunDir, manifest: dict, checkpoints: Optional[Sequence[int]
     if missing:
         raise PeatError(f"checkpoints {missing} are not in {rd.checkpoints}; available: {have}")
     return checkpoints
+
+
+def _replay_devices(state, devices: Optional[Sequence[Any]]) -> list:
+    """The devices to spread cells over: `devices` (default: all local devices), or none for a
+    state laid out over several devices: its cells run one at a time on the state's own mesh,
+    as the golden step did (a copy per device would be another computation)."""
+    spans = max((len(leaf.sharding.device_set) for leaf in jax.tree.leaves(state)
+                 if hasattr(leaf, "sharding")), default=1)
+    if spans == 1:
+        return jax.local_devices() if devices is None else list(devices)
+    if devices is not None and len(devices) > 1:
+        raise PeatError(f"devices= spreads cells over {len(devices)} devices, but this run's "
+                        f"train state is sharded over {spans} devices: its cells replay on the "
+                        "state's own mesh, one at a time; leave devices= out")
+    return []
 
 
 def _restore(rd: RunDir, wl: Workload, step: int):

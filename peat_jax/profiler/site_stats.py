@@ -145,7 +145,9 @@ def site_stats(x: jax.Array, size: int = SAMPLE_SIZE) -> SiteStats:
     n = flat.size
     v = flat.astype(jnp.float32)
     total, squares = jnp.sum(v), jnp.sum(v * v)
-    nonfinite = lax.cond(jnp.isfinite(total) & jnp.isfinite(squares), lambda: jnp.int32(0),
+    # zeros_like: inside `shard_map` both branches vary over the mesh alike
+    nonfinite = lax.cond(jnp.isfinite(total) & jnp.isfinite(squares),
+                         lambda: jnp.zeros_like(total, jnp.int32),
                          lambda: jnp.sum(~jnp.isfinite(v), dtype=jnp.int32))
     weights = jnp.arange(n, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
     checksum = jnp.sum(_bits32(flat) * weights, dtype=jnp.uint32)
