@@ -448,8 +448,8 @@ def _comparisons(pool: ThreadPoolExecutor, reference, run: _Run, opts: _Options,
     conditioning floor (unless ``opts.conditioning`` is off); analysed on `pool`."""
     ref64 = _reference64(reference, run)
     cond = _conditioning(reference, run, ref64, seed) if opts.conditioning else {}
-    return [_Pending(run.variant, output, pool.submit(
-        _diagnose, run.candidate[output], gold, ref64.get(output), opts,
+    return [_Pending(run.variant, output, _submit(
+        pool, _diagnose, run.candidate[output], gold, ref64.get(output), opts,
         conditioning=cond.get(output))) for output, gold in run.reference.items()]
 
 
@@ -460,10 +460,22 @@ def _repeat_checks(pool: ThreadPoolExecutor, candidate, run: _Run, repeats: int,
     checks = []
     for _ in range(repeats):
         again = _outputs_again(candidate, run, "candidate")
-        checks += [_Pending(run.variant, f"repeat {output}", pool.submit(
-            _diagnose, value, run.candidate[output], None, opts, comparison="repeat"))
+        checks += [_Pending(run.variant, f"repeat {output}", _submit(
+            pool, _diagnose, value, run.candidate[output], None, opts, comparison="repeat"))
             for output, value in again.items()]
     return checks
+
+
+def _submit(pool: ThreadPoolExecutor, fn: Callable, *args, **kwargs) -> Future:
+    """`fn(*args, **kwargs)` on `pool`, under the caller's x64 setting (a ``jax.enable_x64``
+    context is the calling thread's only)."""
+    x64 = bool(jax.config.jax_enable_x64)
+
+    def under_callers_x64():
+        with jax.enable_x64(x64):
+            return fn(*args, **kwargs)
+
+    return pool.submit(under_callers_x64)
 
 
 def _analysis_workers() -> int:
