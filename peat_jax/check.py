@@ -480,7 +480,7 @@ def _submit(pool: ThreadPoolExecutor, fn: Callable, *args, **kwargs) -> Future:
 
 def _analysis_workers() -> int:
     """Threads the analyses of one `check_kernel` run on: XLA compiles each new shape's
-    statistics single-threaded (about 1 s on CPU), so compiling the outputs' programs side by
+    statistics on one thread (1.5-2 s of CPU each), so compiling the outputs' programs side by
     side, while the kernels of the next variant run, uses every core."""
     return max(2, min(8, os.cpu_count() or 2))
 
