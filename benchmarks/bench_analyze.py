@@ -4,17 +4,28 @@ analyze_ratio: median wall time of `analyze(candidate, golden)` (the public call
   statistics, the summary's transfer and the host-side Signature) over the median time of a bare
   jitted ``max(|candidate - golden|)`` on the same pair, timed in the same run, interleaved
   (one of each per round). The pair: 16M float32 elements (4096 x 4096), the candidate the golden
-  moved by 0 or +-1 ULP per element (a correct kernel with another rounding). Goal <= 4.
+  moved by 0 or +-1 ULP per element (a correct kernel with another rounding). Goal <= 3.
 analyze_ratio_with_errors: the same with 3 elements bit-flipped as well, so the gated stages (worst
   elements, spatial structure) run too.
+first_check_s: wall time of a cold ``peat check pallas_matmul`` in a fresh subprocess (jax's
+  import included, peat's persistent compilation cache off: ``PEAT_CACHE_DIR=off``). Goal < 8.
+second_shape_s: in one fresh process, after that check, a second one on other shapes
+  (``--shapes 40x24,24x56``): what an author pays per new shape. Goal < 1.
+first_check_compiles, second_shape_compiles: the analyzer's programs each compiled (the sizes
+  of the jit caches of `shape_program` and `sample_program`, read through
+  `peat_jax._jax.cache_size`).
 
-Prints one JSON object on one line. Runs with no arguments in about a minute on 2 CPU cores.
+Prints one JSON object on one line. Runs with no arguments in about two minutes on 2 CPU cores
+(``--no-check`` skips the two check timings).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
@@ -54,10 +65,49 @@ def _interleaved(a, b, args, repeats: int) -> tuple[float, float]:
     return statistics.median(ta), statistics.median(tb)
 
 
+_SECOND_SHAPE = """
+import json, time
+from peat_jax import _jax, cli
+from peat_jax.analyzer import device
+def programs():
+    return _jax.cache_size(device.shape_program) + _jax.cache_size(device.sample_program)
+cli.main(["check", "pallas_matmul", "--json"])
+first = programs()
+t0 = time.perf_counter()
+cli.main(["check", "pallas_matmul", "--json", "--shapes", "40x24,24x56"])
+print(json.dumps({"second_shape_s": time.perf_counter() - t0, "first_check_compiles": first,
+                  "second_shape_compiles": programs() - first}))
+"""
+
+
+def _fresh(args: list[str]) -> tuple[float, str]:
+    """(wall seconds, stdout) of a fresh Python process running `args`, with peat's persistent
+    compilation cache off (a cold start)."""
+    env = dict(os.environ, PEAT_CACHE_DIR="off")
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode not in (0, 1):   # 1: the check found a failing kernel
+        raise RuntimeError(f"{args} failed:\n{done.stderr[-2000:]}")
+    return wall, done.stdout
+
+
+def first_checks() -> dict:
+    """first_check_s, second_shape_s and the analyzer's compiles in each (see the docstring)."""
+    first, _ = _fresh(["-m", "peat_jax", "check", "pallas_matmul", "--json"])
+    _, out = _fresh(["-c", _SECOND_SHAPE])
+    second = json.loads(out.strip().splitlines()[-1])
+    return {"first_check_s": round(first, 2), "second_shape_s": round(second["second_shape_s"], 2),
+            "first_check_compiles": second["first_check_compiles"],
+            "second_shape_compiles": second["second_shape_compiles"]}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--side", type=int, default=4096, help="matrix side (default 4096: 16M)")
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds per pair")
+    parser.add_argument("--no-check", action="store_true", help="skip first_check_s and "
+                        "second_shape_s")
     args = parser.parse_args(argv)
 
     candidate, golden = _pair(args.side)
@@ -88,6 +138,7 @@ def main(argv=None) -> dict:
         "mismatched": sig.counts.mismatched,
         "significant": sig.counts.significant,
         "significant_with_errors": sig_f.counts.significant,
+        **({} if args.no_check else first_checks()),
         "repeats": args.repeats,
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),

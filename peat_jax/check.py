@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -431,27 +433,56 @@ def _diagnose(cand, gold, ref64, opts: _Options, comparison: str = "golden",
     return detect(sig, allow=opts.allow)
 
 
-def _comparisons(reference, run: _Run, opts: _Options, seed: int) -> list[_Check]:
+class _Pending(NamedTuple):
+    """A check whose analysis runs on a worker thread (`Future` of its `Diagnosis`)."""
+
+    variant: str
+    output: str
+    diagnosis: Future
+
+
+def _comparisons(pool: ThreadPoolExecutor, reference, run: _Run, opts: _Options,
+                 seed: int) -> list[_Pending]:
     """Candidate against reference for every output of the run, with the float64 reference as
     the noise floor where it exists, and its spread under 1-ULP input perturbations as the
-    conditioning floor (unless ``opts.conditioning`` is off)."""
+    conditioning floor (unless ``opts.conditioning`` is off); analysed on `pool`."""
     ref64 = _reference64(reference, run)
     cond = _conditioning(reference, run, ref64, seed) if opts.conditioning else {}
-    return [_Check(run.variant, output, _diagnose(run.candidate[output], gold, ref64.get(output),
-                                                  opts, conditioning=cond.get(output)))
-            for output, gold in run.reference.items()]
+    return [_Pending(run.variant, output, _submit(
+        pool, _diagnose, run.candidate[output], gold, ref64.get(output), opts,
+        conditioning=cond.get(output))) for output, gold in run.reference.items()]
 
 
-def _repeat_checks(candidate, run: _Run, repeats: int, opts: _Options) -> list[_Check]:
+def _repeat_checks(pool: ThreadPoolExecutor, candidate, run: _Run, repeats: int,
+                   opts: _Options) -> list[_Pending]:
     """`repeats` more runs of the candidate, each against its first run (the dtype bound as the
-    floor): ``nondeterministic`` when they differ beyond it."""
+    floor): ``nondeterministic`` when they differ beyond it; analysed on `pool`."""
     checks = []
     for _ in range(repeats):
         again = _outputs_again(candidate, run, "candidate")
-        checks += [_Check(run.variant, f"repeat {output}", _diagnose(
-            value, run.candidate[output], None, opts, comparison="repeat"))
+        checks += [_Pending(run.variant, f"repeat {output}", _submit(
+            pool, _diagnose, value, run.candidate[output], None, opts, comparison="repeat"))
             for output, value in again.items()]
     return checks
+
+
+def _submit(pool: ThreadPoolExecutor, fn: Callable, *args, **kwargs) -> Future:
+    """`fn(*args, **kwargs)` on `pool`, under the caller's x64 setting (a ``jax.enable_x64``
+    context is the calling thread's only)."""
+    x64 = bool(jax.config.jax_enable_x64)
+
+    def under_callers_x64():
+        with jax.enable_x64(x64):
+            return fn(*args, **kwargs)
+
+    return pool.submit(under_callers_x64)
+
+
+def _analysis_workers() -> int:
+    """Threads the analyses of one `check_kernel` run on: XLA compiles each new shape's
+    statistics on one thread (1.5-2 s of CPU each), so compiling the outputs' programs side by
+    side, while the kernels of the next variant run, uses every core."""
+    return max(2, min(8, os.cpu_count() or 2))
 
 
 def _reference_spread(reference, run: _Run) -> dict[tuple[str, str], _Spread]:
@@ -676,6 +707,10 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     ``within_reference_spread``), and ``evidence["reference_nondeterministic"]`` and the
     summary report it: the reference's nondeterminism is not blamed on the candidate.
 
+    The callables run on the calling thread, as given (jit them for speed: eager, a Pallas
+    kernel compiles again at every call); the analyses run on worker threads meanwhile, so the
+    analyzer's compilations for new shapes use every core.
+
     Args:
       candidate, reference: ``fn(*args) -> array or pytree``.
       *example_args: the example inputs (arrays or pytrees).
@@ -723,11 +758,27 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
                     noise_factor=noise_factor, conditioning=bool(conditioning))
     example_args = _to_jax(tuple(example_args))
     positions = _float_positions(example_args) if backward else ()
-    key = jax.random.key(seed)
-    checks: list[_Check] = []
     skipped: dict[str, str] = {}
     spread: dict[tuple[str, str], _Spread] = {}
     runs: dict[str, _Run] = {}
+    pool = ThreadPoolExecutor(_analysis_workers(), thread_name_prefix="peat-analyze")
+    try:
+        pending = _run_variants(pool, candidate, reference, example_args, names, positions,
+                                repeats, opts, seed, skipped, spread, runs)
+        checks = [_Check(p.variant, p.output, p.diagnosis.result()) for p in pending]
+    finally:
+        pool.shutdown(cancel_futures=True)   # a raising candidate leaves analyses queued
+    checks = [_within_reference_spread(c, spread.get((c.variant, c.output))) for c in checks]
+    checks = _explained_by_format(checks, runs, reference)
+    return _verdict(checks, skipped=skipped, spread=spread, precision=precision)
+
+
+def _run_variants(pool, candidate, reference, example_args, names, positions, repeats, opts,
+                  seed, skipped, spread, runs) -> list[_Pending]:
+    """Runs both callables on every variant in turn (filling `skipped`, `spread` and `runs`)
+    and queues the analyses of their outputs on `pool`, in check order."""
+    key = jax.random.key(seed)
+    checks: list[_Pending] = []
     for vi, name in enumerate(names):
         args = make_variant(name, example_args, seed + vi)
         if args is None:
@@ -739,12 +790,10 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
             skipped[name] = run
             continue
         runs[name] = run
-        checks += _comparisons(reference, run, opts, seed + vi)
+        checks += _comparisons(pool, reference, run, opts, seed + vi)
         if repeats > 1 and (name == "example" or spread):
             # once the reference differs from itself, every later variant measures how much
             spread.update(_reference_spread(reference, run))
         if repeats > 1 and name == "example":
-            checks += _repeat_checks(candidate, run, repeats - 1, opts)
-    checks = [_within_reference_spread(c, spread.get((c.variant, c.output))) for c in checks]
-    checks = _explained_by_format(checks, runs, reference)
-    return _verdict(checks, skipped=skipped, spread=spread, precision=precision)
+            checks += _repeat_checks(pool, candidate, run, repeats - 1, opts)
+    return checks

@@ -403,9 +403,13 @@ def cmd_check(args) -> int:
         dims = (((xs[0].ndim - 1,), (0,)), ((), ()))
         params = {"dimension_numbers": dims, "precision": None, "preferred_element_type": dtype}
 
+        # jitted, so the variants of one shape share one compiled program (eager, a Pallas
+        # kernel compiles again at every call)
+        @jax.jit
         def reference(a, b):
             return jax.lax.dot_general(a, b, dims, preferred_element_type=dtype)
 
+        @jax.jit
         def candidate(a, b):
             return kernel(a, b, **params)
 

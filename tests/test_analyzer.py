@@ -1,6 +1,7 @@
 """peat.analyze: exact bit-level statistics, noise floors, structure, pytrees, JSON."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from peat_jax import analyzer as A
+from peat_jax._jax import cache_size
 from peat_jax.analyzer import Signature, analyze
 from peat_jax.errors import PeatError
 
@@ -194,10 +196,47 @@ def test_pytree_worst_leaf_and_json():
 
 def test_one_compile_per_shape_and_dtype():
     g = _normal(7)
-    before = A.device.leaf_stats._cache_size()
+    before = cache_size(A.device.shape_program)
     for k in range(3):
         analyze(g + np.float32(k), g)
-    assert A.device.leaf_stats._cache_size() <= before + 1
+    assert cache_size(A.device.shape_program) <= before + 1
+
+
+def test_a_new_shape_reuses_the_compiled_sample_statistics():
+    analyze(_normal(8), _normal(9))
+    shapes, samples = cache_size(A.device.shape_program), cache_size(A.device.sample_program)
+    for shape in ((7, 3), (5, 40), (300,)):
+        analyze(_normal(1, shape), _normal(2, shape))
+    assert cache_size(A.device.sample_program) == samples
+    assert cache_size(A.device.shape_program) == shapes + 3
+
+
+_MOMENTS = ("bias_mean", "bias_std_error", "bias_t", "error_slope", "geo_mean_rel_significant")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_reference", [False, True])
+def test_padding_the_sample_changes_no_statistic(with_reference):
+    # the whole leaf (512 elements) as its own sample, vs padded with equal NaNs to 8192
+    g = _normal(11)
+    c = (g.astype(np.float64) * (1 + 1e-6 * np.random.default_rng(3).standard_normal(SHAPE)))
+    c = c.astype(np.float32)
+    c[2, 5], c[7, 0], c[9, 31], c[0, 0] = -c[2, 5], np.nan, 0.0, np.inf
+    r = k = None
+    if with_reference:
+        r = g.astype(np.float64) + 1e-8 * np.random.default_rng(4).standard_normal(SHAPE)
+        k = np.abs(r) * 1e-7
+    exact = analyze(c, g, r, conditioning=k, sample_size=g.size)
+    padded = analyze(c, g, r, conditioning=k)
+    assert exact.counts.significant >= 4    # the gated stages run too
+    for field in ("counts", "bits", "noise", "ratio", "structure", "precision", "permutation",
+                  "worst"):
+        assert repr(getattr(padded, field)) == repr(getattr(exact, field)), field  # NaN == NaN
+    e, p = exact.errors, padded.errors
+    for name in _MOMENTS:   # float32 sums: the padding may change their order
+        assert getattr(p, name) == pytest.approx(getattr(e, name), rel=1e-5, nan_ok=True), name
+    unsummed = {n: 0.0 for n in _MOMENTS}
+    assert repr(dataclasses.replace(p, **unsummed)) == repr(dataclasses.replace(e, **unsummed))
 
 
 def test_errors_name_the_problem():

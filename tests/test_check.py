@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from peat_jax._jax import cache_size
+from peat_jax.analyzer import device
 from peat_jax.check import VARIANTS, check_kernel, make_variant
 from peat_jax.errors import PeatError
 from peat_jax.pytest_plugin import PeatCheck
@@ -66,6 +68,38 @@ def test_not_fooled_by_near_zero_outputs_or_zeros():
     assert d.model == "zeroed" and not d.passed
     d = check_kernel(blocked, ref, *tiny, variants=("example", "tiny"))
     assert d.passed, d.summary
+
+
+@pytest.mark.slow
+def test_variants_and_reruns_share_the_analyzers_compiled_programs():
+    # shapes no other test uses: the output and the two gradients differ in shape
+    a = jax.random.normal(jax.random.key(5), (13, 11))
+    b = jax.random.normal(jax.random.key(6), (11, 7))
+    programs = (device.shape_program, device.sample_program)
+    before = [cache_size(p) for p in programs]
+    d = check_kernel(blocked, ref, a, b, variants=("example", "large", "outliers"))
+    assert d.passed, d.summary
+    added = [cache_size(p) - n for p, n in zip(programs, before)]
+    # per output shape, one program against the float64 reference and one for the repeat; the
+    # sample's program is shared by the shapes
+    assert added[0] <= 3 * 2 and added[1] <= 2, added
+    after = [cache_size(p) for p in programs]
+    d = check_kernel(blocked, ref, a, b, variants=("example", "tiny", "zeros"))
+    assert d.passed, d.summary
+    assert [cache_size(p) for p in programs] == after
+
+
+def test_a_raising_candidate_still_raises_with_analyses_queued():
+    calls = []
+
+    def breaks_on_large(a, b):
+        calls.append(1)
+        if float(jnp.max(jnp.abs(a))) > 1e6:
+            raise ValueError("overflow guard")
+        return a @ b
+
+    with pytest.raises(PeatError, match="overflow guard"):
+        check_kernel(breaks_on_large, ref, A, B, variants=("example", "large"), backward=False)
 
 
 def test_nondeterministic_candidate():

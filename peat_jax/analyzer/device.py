@@ -1,5 +1,6 @@
-"""Device side: the jitted statistics of one leaf (`leaf_stats`), compiled once per shapes,
-dtypes, device and `Options`.
+"""Device side: the statistics of one leaf (`leaf_stats`): two jitted programs, `shape_program`
+compiled once per shapes, dtypes, device and `Options`, and `sample_program` once per dtypes and
+`Options` (the sample is padded to a fixed size, so every shape shares it).
 
 Stages, in order: the leaf-wide scales of the floor (`elements.leaf_scales`); exact whole-leaf
 counts and maxima (`whole_leaf`); distributions over the sample (`sample.sample_stats`); and,
@@ -16,15 +17,16 @@ from jax import lax
 
 from peat_jax.analyzer.bits import Operand
 from peat_jax.analyzer.contract import (ConditioningStats, LeafScales, LeafStats, Options,
-                                        WholeLeaf, view2d)
+                                        SampleStats, WholeLeaf, view2d)
 from peat_jax.analyzer.elements import (Scales, elements, i32, leaf_scales, local_scale_2d,
                                         sample_index, vreduce)
 from peat_jax.analyzer.noise import NOISE_FREE_SHARE, analyzed_format
-from peat_jax.analyzer.sample import sample_stats
+from peat_jax.analyzer.sample import Gathered, gather_sample, sample_stats
 from peat_jax.analyzer.structure import permutation, structure
 from peat_jax.formats import FloatFormat
 
-__all__ = ["conditioning_stats", "leaf_stats", "nonfloat_stats", "whole_leaf"]
+__all__ = ["conditioning_stats", "leaf_stats", "nonfloat_stats", "sample_program",
+           "shape_program", "whole_leaf"]
 
 
 def _rare_counts(c, g, r, s: Scales, options: Options, f: FloatFormat, eloc):
@@ -53,12 +55,15 @@ def whole_leaf(c, g, r, s: Scales, options: Options, f: FloatFormat) -> WholeLea
     dc, dg = el.dc, el.dg
     rare = dc.nonfinite | dg.nonfinite | dc.subnormal | dg.subnormal
     zero_f = jnp.zeros((), el.err_cg.dtype)
-    n_mis, n_sig, n_rare, max_abs, max_ratio, max_ulp = vreduce(
+    kinds = ["sum", "sum", "sum", "max", "max", "max"]
+    # per row first: XLA:CPU splits a reduction that keeps the rows over its threads, and runs
+    # one to a scalar on a single thread
+    per_row = vreduce(
         [i32(el.mismatched), i32(el.significant), i32(rare),
          jnp.where(el.finite, el.err_cg, zero_f),
          jnp.where(el.finite, el.ratio, 0).astype(el.err_cg.dtype),
-         jnp.where(dc.nan | dg.nan, 0, el.ulp_dist).astype(f.wide_uint)],
-        ["sum", "sum", "sum", "max", "max", "max"], (0, 1))
+         jnp.where(dc.nan | dg.nan, 0, el.ulp_dist).astype(f.wide_uint)], kinds, (1,))
+    n_mis, n_sig, n_rare, max_abs, max_ratio, max_ulp = vreduce(per_row, kinds, (0,))
 
     def none(_):
         return tuple(jnp.zeros((), jnp.int32) for _ in range(8))
@@ -97,13 +102,13 @@ def _relative_tolerance(s: Scales, r, options: Options, f: FloatFormat):
 
 
 @functools.partial(jax.jit, static_argnames=("options",))
-def leaf_stats(c, g, r, options: Options, k=None) -> LeafStats:
-    """The statistics of candidate `c` against golden `g` (same shape and float dtype), with the
-    float64 reference `r` or None and, with `r`, the conditioning spread `k` (float64, output
-    units, `g`'s shape) or None.
+def shape_program(c, g, r, options: Options, k=None):
+    """Everything but the sample's distributions, compiled once per (shapes, dtypes, options).
 
     Returns:
-      A `LeafStats` of device scalars and small vectors (see `contract`).
+      (a `LeafStats` whose ``sample`` is None, the `Gathered` sample, the leaf's `Scales`
+      without its per-row, per-column and per-element arrays, noise_free): the last three are
+      `sample_program`'s inputs.
     """
     f = analyzed_format(g.dtype)
     c, g = Operand(c, None, f), Operand(g, None, f)
@@ -113,12 +118,34 @@ def leaf_stats(c, g, r, options: Options, k=None) -> LeafStats:
     rel_tol = _relative_tolerance(s, r, options, f)
     noise_free = (whole.mismatched - whole.significant) <= NOISE_FREE_SHARE * c.size
     worst, struct = structure(c, g, r, s, options, f, whole.significant, rel_tol)
-    return LeafStats(
-        whole=whole, sample=sample_stats(c, g, r, idx, s, options, f, noise_free), worst=worst,
-        structure=struct, permutation=permutation(c, g, r, s, options, f, whole.significant),
+    stats = LeafStats(
+        whole=whole, sample=None, worst=worst, structure=struct,
+        permutation=permutation(c, g, r, s, options, f, whole.significant),
         scales=LeafScales(rms=s.rms, abs_floor=s.abs_floor, rel_tol=rel_tol,
                           golden_max_abs_error=s.E, golden_max_ulp_error=s.U),
         conditioning=None if s.K is None else conditioning_stats(c, g, r, s, options, f))
+    return (stats, gather_sample(c, g, r, idx, s, options, f),
+            s._replace(E_row=None, E_col=None, K=None), noise_free)
+
+
+@functools.partial(jax.jit, static_argnames=("options",))
+def sample_program(sample: Gathered, s: Scales, noise_free, options: Options) -> SampleStats:
+    """`sample.sample_stats`, compiled once per (dtype, reference or not, options): the sample
+    is padded to ``options.sample_size``, so leaves of every shape share it."""
+    return sample_stats(sample, s, options, analyzed_format(sample.g_vals.dtype), noise_free)
+
+
+def leaf_stats(c, g, r, options: Options, k=None) -> LeafStats:
+    """The statistics of candidate `c` against golden `g` (same shape and float dtype), with the
+    float64 reference `r` or None and, with `r`, the conditioning spread `k` (float64, output
+    units, `g`'s shape) or None: `shape_program`, then `sample_program` on its sample (both
+    dispatched without waiting; a new shape compiles only the first).
+
+    Returns:
+      A `LeafStats` of device scalars and small vectors (see `contract`).
+    """
+    stats, sample, scales, noise_free = shape_program(c, g, r, options, k)
+    return stats._replace(sample=sample_program(sample, scales, noise_free, options))
 
 
 @jax.jit

@@ -11,15 +11,15 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 from jax import lax
 
-from peat_jax.analyzer.bits import (F32, bit_length, monotonic_to_float, nonneg_key, ranks,
-                                    signed_key, take)
+from peat_jax.analyzer.bits import (F32, Operand, bit_length, monotonic_to_float, nonneg_key,
+                                    ranks, signed_key, take)
 from peat_jax.analyzer.contract import (GridFit, Moments, Options, RatioStats, SampleCounts,
                                         SampleHistograms, SampleQuantiles, SampleStats, view2d)
-from peat_jax.analyzer.elements import Elements, Scales, elements, i32, local_scale_flat
+from peat_jax.analyzer.elements import Elements, Local, Scales, elements, i32, local_scale_flat
 from peat_jax.analyzer.signature import QUANTILES
 from peat_jax.formats import FloatFormat
 
-__all__ = ["sample_stats"]
+__all__ = ["Gathered", "gather_sample", "sample_stats"]
 
 _ULP_QUANTILES = (0.5, 0.9, 0.99, 1.0)
 _RATIO_RANKS = (0.005, 0.5, 0.995, 1.0)   # p0.5, median, p99.5, max of the ratio
@@ -199,20 +199,58 @@ def _grid_fit(el: Elements, f: FloatFormat) -> GridFit:
                    beyond_half=jnp.sum(i32(mf & (grid_ulp > _HALF_GRID_ULP)), axis=0))
 
 
-def sample_stats(c, g, r, idx, s: Scales, options: Options, f: FloatFormat,
+class Gathered(NamedTuple):
+    """The sample of a leaf, padded to ``Options.sample_size`` elements (device arrays).
+
+    Padding elements hold the same NaN in the candidate and the golden (and NaN in the
+    reference): equal NaNs are neither mismatched nor finite, which excludes them from every
+    sample statistic, so the sample's program serves every leaf shape."""
+
+    c_vals: Any
+    c_bits: Any
+    g_vals: Any
+    g_bits: Any
+    r: Any = None               # float64 reference at the sample (None without one)
+    noise: Any = None           # `Local.noise` at the sample (reference only)
+    conditioning: Any = None    # `Local.conditioning` at the sample (given only)
+
+
+def _padded(x, size: int, fill):
+    return None if x is None else jnp.pad(x, (0, size - x.shape[0]), constant_values=fill)
+
+
+def gather_sample(c, g, r, idx, s: Scales, options: Options, f: FloatFormat) -> Gathered:
+    """The `Gathered` sample `idx` (None: the whole leaf) of `Operand`s `c`, `g`, the float64
+    reference `r` (or None) and the local scales of the floor there."""
+    cs, gs = take(c, idx), take(g, idx)
+    R, C, _, _ = view2d(c.shape)
+    eloc = local_scale_flat(s, idx, c.size, R, C)
+    size = options.sample_size
+    nan = jnp.full((), jnp.nan, f.dtype)
+    nan_bits = lax.bitcast_convert_type(nan, cs.bits.dtype)
+    return Gathered(
+        c_vals=_padded(cs.vals, size, nan), c_bits=_padded(cs.bits, size, nan_bits),
+        g_vals=_padded(gs.vals, size, nan), g_bits=_padded(gs.bits, size, nan_bits),
+        r=None if r is None else _padded(take(r, idx).astype(jnp.float64), size, jnp.nan),
+        noise=None if eloc is None else _padded(eloc.noise, size, 0.0),
+        conditioning=None if eloc is None else _padded(eloc.conditioning, size, 0.0))
+
+
+def sample_stats(sample: Gathered, s: Scales, options: Options, f: FloatFormat,
                  noise_free) -> SampleStats:
-    """Distributions over the sample `idx` of `Operand`s `c`, `g` (and the float64 reference
-    `r` or None).
+    """Distributions over the `Gathered` sample, given the leaf's `Scales` (its leaf-wide
+    scalars: the local scales come with the sample).
 
     `noise_free` (traced bool): at most 1% of the elements differ within the noise floor
     (`NOISE_FREE_SHARE`), so every differing bit of a significant element belongs to the fault;
     otherwise bits below each element's noise bits are ignored by the single-bit statistics,
     and a negation is recognised within the floor.
     """
-    cs, gs = take(c, idx), take(g, idx)
-    rs = None if r is None else take(r, idx)
-    R, C, _, _ = view2d(c.shape)
-    el = elements(cs, gs, rs, s, options, f, local_scale_flat(s, idx, c.size, R, C))
+    cs = Operand(sample.c_vals, sample.c_bits, f)
+    gs = Operand(sample.g_vals, sample.g_bits, f)
+    rs = sample.r
+    eloc = None if sample.noise is None else Local(sample.noise, sample.conditioning)
+    el = elements(cs, gs, rs, s, options, f, eloc)
     sm = _sample(el, rs, s, f, noise_free)
     counts, per_bit = _counts_and_bit_histograms(sm, f)
     ulp, popcount, tz_c, tz_g = _one_hot_histograms(sm, f)
