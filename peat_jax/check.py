@@ -18,9 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax.analyzer import analyze
-from peat_jax.detector import Diagnosis, detect, narrowed, severity
+from peat_jax.detector import (Diagnosis, Float64Evidence, by_float64, detect, narrowed,
+                               only_on_odd_shapes, severity)
 from peat_jax.errors import PeatError
 from peat_jax.formats import float_format, round_to_format
+from peat_jax.kernels.pallas.interpret import races_found, reset_interpret_state
 from peat_jax.precision import at_matmul_precision, matmul_precision
 
 __all__ = ["CONDITIONING_PERTURBATIONS", "REFERENCE_SPREAD_FACTOR", "VARIANTS", "check_kernel",
@@ -236,17 +238,47 @@ class _Run(NamedTuple):
     reference: dict[str, Any]
 
 
+_RACE = "the Pallas interpreter's race detector found a data race"
+
+
+def _call_candidate(fn, args, variant: str):
+    """`_call` of the candidate; `_RACE` when it raised because the Pallas interpreter's race
+    detector found a data race (the interpreter's state is reset for the next kernel)."""
+    try:
+        return _call(fn, args, "candidate", variant)
+    except PeatError:
+        if not races_found():
+            raise
+        reset_interpret_state()
+        return _RACE
+
+
+def _race_check(variant: str) -> "_Check":
+    return _Check(variant, "forward", Diagnosis(
+        model="data_race", passed=False, confidence=1.0,
+        evidence={"rule": "data_race", "max_floor_ratio": float("inf")},
+        summary=("fails: data_race, the Pallas interpreter's race detector saw two grid points "
+                 "on different cores access one block with at least one write (is a reduction "
+                 "or revisited output dimension marked 'parallel'?)")))
+
+
 def _forwards(candidate, reference, variant: str, args) -> Union[tuple[Any, Any], str]:
     """(candidate output, reference output); for the "odd_shape" variant, the reason to skip it
     when either rejects the shapes instead (a kernel may serve only some shapes)."""
     outs = []
     for what, fn in (("reference", reference), ("candidate", candidate)):
         if variant != "odd_shape":
-            outs.append(_call(fn, args, what, variant))
+            outs.append(_call(fn, args, what, variant) if what == "reference"
+                        else _call_candidate(fn, args, variant))
+            if outs[-1] is _RACE:
+                return _RACE
             continue
         try:
             outs.append(fn(*args))
         except Exception as e:  # noqa: BLE001
+            if races_found():
+                reset_interpret_state()
+                return _RACE
             return f"{what} rejects the shapes: {type(e).__name__}"
     gold, cand = outs
     return cand, gold
@@ -431,15 +463,36 @@ def _diagnose(cand, gold, ref64, opts: _Options, comparison: str = "golden",
     return detect(sig, allow=opts.allow)
 
 
-def _comparisons(reference, run: _Run, opts: _Options, seed: int) -> list[_Check]:
+def _comparisons(candidate, reference, run: _Run, opts: _Options, seed: int) -> list[_Check]:
     """Candidate against reference for every output of the run, with the float64 reference as
     the noise floor where it exists, and its spread under 1-ULP input perturbations as the
-    conditioning floor (unless ``opts.conditioning`` is off)."""
+    conditioning floor (unless ``opts.conditioning`` is off). A failing output is then also
+    judged by the candidate's own float64 evaluation (`by_float64`)."""
     ref64 = _reference64(reference, run)
     cond = _conditioning(reference, run, ref64, seed) if opts.conditioning else {}
-    return [_Check(run.variant, output, _diagnose(run.candidate[output], gold, ref64.get(output),
-                                                  opts, conditioning=cond.get(output)))
-            for output, gold in run.reference.items()]
+    checks = [_Check(run.variant, output, _diagnose(run.candidate[output], gold,
+                                                    ref64.get(output), opts,
+                                                    conditioning=cond.get(output)))
+              for output, gold in run.reference.items()]
+    if not ref64 or all(c.diagnosis.passed for c in checks):
+        return checks
+    cand64 = _reference64(candidate, run)
+    return [_by_float64(c, run, ref64, cand64, opts) for c in checks]
+
+
+def _by_float64(c: _Check, run: _Run, ref64: dict[str, Any], cand64: dict[str, Any],
+                opts: _Options) -> _Check:
+    """`c` renamed by the detector's float64 rules when the candidate ran in float64 too."""
+    o = c.output
+    if c.diagnosis.passed or o not in ref64 or o not in cand64:
+        return c
+    leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(ref64[o])]
+    finite = [x[np.isfinite(x)] for x in leaves]
+    scale = max((float(np.abs(x).max()) for x in finite if x.size), default=0.0)
+    dtype = str(jnp.result_type(jax.tree.leaves(run.candidate[o])[0]))
+    f = Float64Evidence(dtype=dtype, error=_max_difference(run.candidate[o], ref64[o]),
+                        error64=_max_difference(cand64[o], ref64[o]), scale=scale)
+    return _Check(c.variant, o, by_float64(c.diagnosis, f, allow=opts.allow))
 
 
 def _repeat_checks(candidate, run: _Run, repeats: int, opts: _Options) -> list[_Check]:
@@ -567,8 +620,10 @@ def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
     check's model, the skipped variants, the reference's matmul precision and its
     nondeterminism."""
     worst = max(checks, key=_check_key)
-    d = narrowed(worst.diagnosis, _narrowest_formats(checks))
     failing = [c for c in checks if not c.diagnosis.passed]
+    passing = {c.variant for c in checks} - {c.variant for c in failing}
+    d = only_on_odd_shapes(narrowed(worst.diagnosis, _narrowest_formats(checks)),
+                           {c.variant for c in failing}, passing)
     ev = dict(d.evidence)
     note = ""
     if spread:
@@ -735,11 +790,14 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
             continue
         run = _run(candidate, reference, name, _to_jax(args), positions,
                    jax.random.fold_in(key, vi))
+        if run is _RACE:
+            checks.append(_race_check(name))
+            break
         if isinstance(run, str):
             skipped[name] = run
             continue
         runs[name] = run
-        checks += _comparisons(reference, run, opts, seed + vi)
+        checks += _comparisons(candidate, reference, run, opts, seed + vi)
         if repeats > 1 and (name == "example" or spread):
             # once the reference differs from itself, every later variant measures how much
             spread.update(_reference_spread(reference, run))
