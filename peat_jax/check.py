@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax.analyzer import analyze
-from peat_jax.detector import (Diagnosis, Float64Evidence, by_float64, detect, narrowed,
-                               only_on_odd_shapes, severity)
+from peat_jax.detector import (Diagnosis, Float64Evidence, by_float64, data_race, detect,
+                               narrowed, only_on_odd_shapes, severity)
 from peat_jax.errors import PeatError
 from peat_jax.formats import float_format, round_to_format
 from peat_jax.kernels.pallas.interpret import races_found, reset_interpret_state
@@ -254,12 +254,7 @@ def _call_candidate(fn, args, variant: str):
 
 
 def _race_check(variant: str) -> "_Check":
-    return _Check(variant, "forward", Diagnosis(
-        model="data_race", passed=False, confidence=1.0,
-        evidence={"rule": "data_race", "max_floor_ratio": float("inf")},
-        summary=("fails: data_race, the Pallas interpreter's race detector saw two grid points "
-                 "on different cores access one block with at least one write (is a reduction "
-                 "or revisited output dimension marked 'parallel'?)")))
+    return _Check(variant, "forward", data_race())
 
 
 def _forwards(candidate, reference, variant: str, args) -> Union[tuple[Any, Any], str]:
@@ -491,7 +486,8 @@ def _by_float64(c: _Check, run: _Run, ref64: dict[str, Any], cand64: dict[str, A
     scale = max((float(np.abs(x).max()) for x in finite if x.size), default=0.0)
     dtype = str(jnp.result_type(jax.tree.leaves(run.candidate[o])[0]))
     f = Float64Evidence(dtype=dtype, error=_max_difference(run.candidate[o], ref64[o]),
-                        error64=_max_difference(cand64[o], ref64[o]), scale=scale)
+                        error64=_max_difference(cand64[o], ref64[o]), scale=scale,
+                        reference_error=_max_difference(run.reference[o], ref64[o]))
     return _Check(c.variant, o, by_float64(c.diagnosis, f, allow=opts.allow))
 
 

@@ -31,8 +31,8 @@ from peat_jax.analyzer import Signature
 from peat_jax.errors import PeatError
 from peat_jax.formats import bit_class, float_format, narrow_formats_like, ulp_at
 
-__all__ = ["Diagnosis", "FLOAT64_RULES", "Float64Evidence", "MODELS", "PASSING", "RULES", "Rule",
-           "by_float64", "detect", "format_phrase", "narrowed", "only_on_odd_shapes",
+__all__ = ["CHECK_MODELS", "Diagnosis", "FLOAT64_RULES", "Float64Evidence", "MODELS", "PASSING", "RULES", "Rule",
+           "by_float64", "data_race", "detect", "format_phrase", "narrowed", "only_on_odd_shapes",
            "severity"]
 
 MODELS: tuple[str, ...] = taxonomy.MODELS
@@ -305,6 +305,32 @@ def _rounding_reach(s: Signature, golden: float) -> float:
     factor = s.noise.factor if s.noise is not None else 4.0
     scale = max(s.noise.rms_golden if s.noise is not None else 0.0, abs(golden))
     return factor * ulp_at(scale if math.isfinite(scale) else 0.0, float_format(s.dtype))
+
+
+def _rounding_at_scale(s: Signature) -> Optional[_Match]:
+    """Isolated significant elements (all listed), all finite in both, each within the rounding
+    reach at the tensor's scale (|c - g| <= F ULPs at max(rms(g), |g|), `_rounding_reach`):
+    small values left by a cancellation of terms at the tensor's scale, which another
+    algorithm rounds differently (the per-element floor saw a reference that happened to
+    cancel exactly there)."""
+    c = s.counts
+    if c.significant == 0 or c.significant > _isolated_limit(s) or not _worst_all_listed(s):
+        return None
+    if s.noise is None or c.new_nonfinite:
+        return None
+    reach = [_rounding_reach(s, w.golden) for w in s.worst]
+    if not all(math.isfinite(w.candidate) and math.isfinite(w.golden) and
+               abs(w.candidate - w.golden) <= r for w, r in zip(s.worst, reach)):
+        return None
+    w = s.worst[0]
+    ev = {"elements": [list(x.index) for x in s.worst],
+          "errors": [abs(x.candidate - x.golden) for x in s.worst], "rounding_reach": reach,
+          "rms_golden": s.noise.rms_golden}
+    return _Match(ev, 0.6, f"{c.significant} isolated elements beyond their own floor but "
+                           f"within rounding at the tensor's scale (e.g. {_idx(w)}: "
+                           f"{_g(w.golden)} -> {_g(w.candidate)}, |error| "
+                           f"{_g(abs(w.candidate - w.golden))} <= {_g(reach[0])}, "
+                           f"{_g(s.noise.factor)} ULPs at rms {_g(s.noise.rms_golden)})")
 
 
 def _bit_flip(s: Signature) -> Optional[_Match]:
@@ -687,6 +713,7 @@ RULES: tuple[Rule, ...] = (
     Rule("repeat_noise", "numerical_noise", _repeat_noise),
     Rule("flush_to_zero", "flush_to_zero", _flush_to_zero),
     Rule("numerical_noise", "numerical_noise", _numerical_noise),
+    Rule("rounding_at_scale", "numerical_noise", _rounding_at_scale),
     Rule("stuck_at", "bit_flip", _stuck_at),
     Rule("permuted_layout", "permuted_layout", _permuted_layout),
     Rule("tile_boundary", "tile_boundary", _tile_boundary),
@@ -718,12 +745,20 @@ class Float64Evidence(NamedTuple):
       error64: max |candidate run in float64 - float64 reference| (output units; inf where the
         float64 run is non-finite and the reference is not).
       scale: max |float64 reference| over its finite elements.
+      reference_error: max |reference in the dtype - float64 reference| (output units).
     """
 
     dtype: str
     error: float
     error64: float
     scale: float
+    reference_error: float
+
+
+UNSTABLE_FACTOR = 8.0
+"""How many times the reference's own max |error| (and the dtype's roundoff at the output's
+scale) a candidate's max |error| must exceed to be called unstable: a correct algorithm of the
+same dtype rounds about as much as the reference does."""
 
 
 def _unit_roundoff(dtype: str) -> float:
@@ -731,18 +766,19 @@ def _unit_roundoff(dtype: str) -> float:
 
 
 def _unstable_algorithm(d: Diagnosis, f: Float64Evidence) -> Optional[_Match]:
-    """The check fails with a model other than reduced_precision or nondeterministic, and the
-    candidate evaluated in float64 matches the float64 reference to within the unit roundoff
-    of the candidate's dtype relative to max |reference| (its algorithm computes the right
-    function; it is the dtype's rounding that it amplifies: cancellation, as in a one-pass
-    variance, or an intermediate that overflows)."""
+    """The check fails with a model other than reduced_precision or nondeterministic; the
+    candidate evaluated in float64 matches the float64 reference to within u * max|reference|
+    (u the unit roundoff of the candidate's dtype: its algorithm computes the right function);
+    and in its dtype its max |error| exceeds 8 times both that bound and the reference's own
+    max |error| (the dtype's rounding amplified: cancellation, as in a one-pass variance, or an
+    intermediate that overflows)."""
     if d.passed or d.model in ("reduced_precision", "nondeterministic"):
         return None
     bound = _unit_roundoff(f.dtype) * f.scale
-    if not (f.error64 <= bound and f.error > bound):
+    if not (f.error64 <= bound and f.error > UNSTABLE_FACTOR * max(bound, f.reference_error)):
         return None
     ev = {"error": f.error, "error_float64": f.error64, "reference_max": f.scale,
-          "would_be": d.model}
+          "reference_error": f.reference_error, "would_be": d.model}
     return _Match(ev, 0.9, f"the algorithm is right (run in float64 its max |error| is "
                            f"{_g(f.error64)}, below {f.dtype}'s roundoff at the output's scale "
                            f"{_g(bound)}) but in {f.dtype} it loses it: max |error| "
@@ -790,6 +826,23 @@ def by_float64(d: Diagnosis, f: Float64Evidence, *, allow: Iterable[str] = ()) -
         return Diagnosis(model, allowed, m.confidence, _plain(ev),
                          f"{verdict}: {model}{' (allowed)' if allowed else ''}, {m.detail}")
     return d
+
+
+def data_race() -> Diagnosis:
+    """The diagnosis of a candidate the Pallas interpreter's race detector stopped: two grid
+    points on different simulated cores touched one block, at least one writing (sufficient:
+    the detector saw it; no comparison is needed)."""
+    return Diagnosis(
+        model="data_race", passed=False, confidence=1.0,
+        evidence={"rule": "data_race", "max_floor_ratio": "inf"},
+        summary=("fails: data_race, the Pallas interpreter's race detector saw two grid points "
+                 "on different cores access one block with at least one write (is a reduction "
+                 "or revisited output dimension marked 'parallel'?)"))
+
+
+CHECK_MODELS: tuple[str, ...] = tuple(m for m, _ in FLOAT64_RULES) + ("data_race",)
+"""The models only `check_kernel` names (from more than one signature: the candidate's float64
+run, the race detector); every other model has a rule in `RULES`."""
 
 
 def only_on_odd_shapes(d: Diagnosis, failing_variants: Iterable[str],
