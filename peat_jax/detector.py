@@ -308,18 +308,19 @@ def _rounding_reach(s: Signature, golden: float) -> float:
 
 
 def _rounding_at_scale(s: Signature) -> Optional[_Match]:
-    """Isolated significant elements (all listed), all finite in both, each within the rounding
-    reach at the tensor's scale (|c - g| <= F ULPs at max(rms(g), |g|), `_rounding_reach`):
-    small values left by a cancellation of terms at the tensor's scale, which another
-    algorithm rounds differently (the per-element floor saw a reference that happened to
-    cancel exactly there)."""
+    """Isolated significant elements (all listed), each smaller than the tensor's scale in both
+    the golden and the candidate (|g|, |c| < rms(g)) and each within the rounding reach there
+    (|c - g| <= F ULPs of the dtype at rms(g), `_rounding_reach`): small values left by a
+    cancellation of terms at the tensor's scale, which another algorithm rounds differently
+    (the per-element floor saw a golden that happened to cancel exactly there)."""
     c = s.counts
     if c.significant == 0 or c.significant > _isolated_limit(s) or not _worst_all_listed(s):
         return None
-    if s.noise is None or c.new_nonfinite:
+    if s.noise is None or c.new_nonfinite or not math.isfinite(s.noise.rms_golden):
         return None
+    rms = s.noise.rms_golden
     reach = [_rounding_reach(s, w.golden) for w in s.worst]
-    if not all(math.isfinite(w.candidate) and math.isfinite(w.golden) and
+    if not all(abs(w.candidate) < rms and abs(w.golden) < rms and
                abs(w.candidate - w.golden) <= r for w, r in zip(s.worst, reach)):
         return None
     w = s.worst[0]
@@ -818,7 +819,8 @@ def by_float64(d: Diagnosis, f: Float64Evidence, *, allow: Iterable[str] = ()) -
         if m is None:
             continue
         allowed = model in frozenset(allow)
-        ev = {**{k: v for k, v in d.evidence.items() if k in ("leaf", "max_floor_ratio")},
+        kept = ("leaf", "max_floor_ratio", "conditioning_floor")
+        ev = {**{k: v for k, v in d.evidence.items() if k in kept},
               **m.evidence, "rule": model}
         if allowed:
             ev["allowed"] = True

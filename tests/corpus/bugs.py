@@ -99,10 +99,10 @@ def eps_outside_sqrt(x, scale, bias, eps=1e-6):
 
 def _narrow_accumulation(dtype):
     def mm(a, b):
-        """Partial products of 4 K-columns summed into an accumulator kept in `dtype`."""
+        """Partial products of 8 K-columns summed into an accumulator kept in `dtype`."""
         acc = jnp.zeros((a.shape[0], b.shape[1]), dtype)
-        for k0 in range(0, a.shape[1], 4):
-            part = jnp.dot(a[:, k0:k0 + 4], b[k0:k0 + 4], precision="highest")
+        for k0 in range(0, a.shape[1], 8):
+            part = jnp.dot(a[:, k0:k0 + 8], b[k0:k0 + 8], precision="highest")
             acc = (acc.astype(jnp.float32) + part).astype(dtype)
         return acc.astype(a.dtype)
     mm.__name__ = f"{jnp.dtype(dtype).name}_accumulation"
