@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import jax.numpy as jnp
 import pytest
 
 import peat_jax as peat
@@ -35,6 +34,15 @@ def test_buggy_kernel_fails_with_its_model(entry):
     d = check(entry)
     assert not d.passed, d.summary
     assert d.model == entry.expected, d.summary
+    ev = d.evidence
+    if d.model == "unstable_algorithm":      # right in float64, lost in float32
+        assert ev["error_float64"] <= 2 ** -24 * ev["reference_max"] < ev["error"]
+    if d.model == "approximation":           # as far off in float64: another function
+        assert ev["error_float64"] >= 0.5 * ev["error"] > 0
+    if entry.backward:                       # the forward is right, the gradient is not
+        checks = {(v, o): m for v, o, m in ev["checks"]}
+        assert checks[("example", "forward")] in peat.detector.PASSING
+        assert ev["origin"]["output"] == "grad[0]"
 
 
 @pytest.mark.parametrize("entry", [_param(e) for e in ENTRIES if e.kind == "correct"])
@@ -51,22 +59,10 @@ def test_the_corpus_covers_both_kinds_and_names_are_unique():
     assert all(e.expected in peat.detector.MODELS for e in ENTRIES if e.kind == "bug")
 
 
-def test_a_backward_bug_is_found_in_the_gradient_only():
-    d = check(by_name("backward_wrong"))
-    assert d.evidence["origin"]["output"] == "grad[0]"
-    checks = {(v, o): m for v, o, m in d.evidence["checks"]}
-    assert checks[("example", "forward")] in peat.detector.PASSING
-
-
-def test_float64_evidence_separates_instability_from_approximation():
-    unstable = check(by_name("one_pass_variance"))
-    assert unstable.evidence["error_float64"] <= 2 ** -24 * unstable.evidence["reference_max"]
-    approx = check(by_name("gelu_tanh_for_exact"))
-    assert approx.evidence["error_float64"] >= 0.5 * approx.evidence["error"]
-    # the same one-pass layer norm with a mean that does not cancel passes
+def test_the_one_pass_variance_passes_where_nothing_cancels():
     e = by_name("one_pass_variance")
     d = peat.check_kernel(e.candidate, e.reference, *by_name("welford_layer_norm").args(),
-                          variants="example", repeats=1, backward=False)
+                          variants="example", repeats=1, backward=False, conditioning=False)
     assert d.passed, d.summary
 
 

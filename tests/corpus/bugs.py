@@ -5,10 +5,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
-import peat_jax as peat
 from peat_jax.kernels import pallas as pk
 
 from . import Entry
