@@ -18,6 +18,7 @@ import importlib.util
 import io
 import json
 import pathlib
+import re
 import sys
 import time
 import warnings
@@ -40,7 +41,7 @@ def run_entry(e) -> tuple[peat.Diagnosis, float]:
 
 def _evidence(d: peat.Diagnosis) -> str:
     """The diagnosis' summary without its verdict, model and check counts, short."""
-    text = d.summary.split(", ", 1)[-1].split(" [")[0]
+    text = re.sub(r" \[[^\]]*inputs\].*$", "", d.summary.split(", ", 1)[-1])
     origin = d.evidence.get("origin", {})
     where = f" ({origin.get('output')}, {origin.get('variant')})" if origin else ""
     return (text[:140] + "..." if len(text) > 140 else text) + where
