@@ -761,6 +761,10 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
       reference's matmul precision (also in the summary of a ``reduced_precision`` or
       ``low_precision_accumulation`` verdict). A ``reduced_precision`` verdict names the narrow
       format when one fits every failing check (``evidence["formats"]``: "inputs rounded to tf32").
+      A failing output is also judged by the candidate run in float64 (`detector.by_float64`:
+      ``unstable_algorithm``, ``approximation``); a candidate stopped by the Pallas
+      interpreter's race detector is ``data_race``; a kernel failing only on "odd_shape" is
+      ``tile_boundary`` (`detector.only_on_odd_shapes`).
 
     Raises:
       PeatError: bad options, a candidate or reference that raises, or outputs whose structure
