@@ -20,9 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax.analyzer import analyze
-from peat_jax.detector import Diagnosis, detect, narrowed, severity
+from peat_jax.detector import (Diagnosis, Float64Evidence, by_float64, data_race, detect,
+                               narrowed, only_on_odd_shapes, severity)
 from peat_jax.errors import PeatError
 from peat_jax.formats import float_format, round_to_format
+from peat_jax.kernels.pallas.interpret import races_found, reset_interpret_state
 from peat_jax.precision import at_matmul_precision, matmul_precision
 
 __all__ = ["CONDITIONING_PERTURBATIONS", "REFERENCE_SPREAD_FACTOR", "VARIANTS", "check_kernel",
@@ -238,17 +240,42 @@ class _Run(NamedTuple):
     reference: dict[str, Any]
 
 
+_RACE = "the Pallas interpreter's race detector found a data race"
+
+
+def _call_candidate(fn, args, variant: str):
+    """`_call` of the candidate; `_RACE` when it raised because the Pallas interpreter's race
+    detector found a data race (the interpreter's state is reset for the next kernel)."""
+    try:
+        return _call(fn, args, "candidate", variant)
+    except PeatError:
+        if not races_found():
+            raise
+        reset_interpret_state()
+        return _RACE
+
+
+def _race_check(variant: str) -> "_Check":
+    return _Check(variant, "forward", data_race())
+
+
 def _forwards(candidate, reference, variant: str, args) -> Union[tuple[Any, Any], str]:
     """(candidate output, reference output); for the "odd_shape" variant, the reason to skip it
     when either rejects the shapes instead (a kernel may serve only some shapes)."""
     outs = []
     for what, fn in (("reference", reference), ("candidate", candidate)):
         if variant != "odd_shape":
-            outs.append(_call(fn, args, what, variant))
+            outs.append(_call(fn, args, what, variant) if what == "reference"
+                        else _call_candidate(fn, args, variant))
+            if outs[-1] is _RACE:
+                return _RACE
             continue
         try:
             outs.append(fn(*args))
         except Exception as e:  # noqa: BLE001
+            if races_found():
+                reset_interpret_state()
+                return _RACE
             return f"{what} rejects the shapes: {type(e).__name__}"
     gold, cand = outs
     return cand, gold
@@ -442,15 +469,51 @@ class _Pending(NamedTuple):
 
 
 def _comparisons(pool: ThreadPoolExecutor, reference, run: _Run, opts: _Options,
-                 seed: int) -> list[_Pending]:
+                 seed: int, refs64: dict[str, dict[str, Any]]) -> list[_Pending]:
     """Candidate against reference for every output of the run, with the float64 reference as
-    the noise floor where it exists, and its spread under 1-ULP input perturbations as the
-    conditioning floor (unless ``opts.conditioning`` is off); analysed on `pool`."""
-    ref64 = _reference64(reference, run)
+    the noise floor where it exists (kept in ``refs64[run.variant]`` for `_judged_by_float64`),
+    and its spread under 1-ULP input perturbations as the conditioning floor (unless
+    ``opts.conditioning`` is off); analysed on `pool`."""
+    ref64 = refs64[run.variant] = _reference64(reference, run)
     cond = _conditioning(reference, run, ref64, seed) if opts.conditioning else {}
     return [_Pending(run.variant, output, _submit(
         pool, _diagnose, run.candidate[output], gold, ref64.get(output), opts,
         conditioning=cond.get(output))) for output, gold in run.reference.items()]
+
+
+def _judged_by_float64(checks: list[_Check], candidate, runs: dict[str, _Run],
+                       refs64: dict[str, dict[str, Any]], opts: _Options) -> list[_Check]:
+    """`checks` with each failing output that has a float64 reference also judged by the
+    candidate's own float64 evaluation (`by_float64`); the candidate runs in float64 once per
+    variant with such an output, on the calling thread."""
+    cand64: dict[str, dict[str, Any]] = {}
+    judged = []
+    for c in checks:
+        ref64 = refs64.get(c.variant, {})
+        if c.diagnosis.passed or c.output not in ref64:
+            judged.append(c)
+            continue
+        run = runs[c.variant]
+        if c.variant not in cand64:
+            cand64[c.variant] = _reference64(candidate, run)
+        judged.append(_by_float64(c, run, ref64, cand64[c.variant], opts))
+    return judged
+
+
+def _by_float64(c: _Check, run: _Run, ref64: dict[str, Any], cand64: dict[str, Any],
+                opts: _Options) -> _Check:
+    """`c` renamed by the detector's float64 rules when the candidate ran in float64 too."""
+    o = c.output
+    if c.diagnosis.passed or o not in ref64 or o not in cand64:
+        return c
+    leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(ref64[o])]
+    finite = [x[np.isfinite(x)] for x in leaves]
+    scale = max((float(np.abs(x).max()) for x in finite if x.size), default=0.0)
+    dtype = str(jnp.result_type(jax.tree.leaves(run.candidate[o])[0]))
+    f = Float64Evidence(dtype=dtype, error=_max_difference(run.candidate[o], ref64[o]),
+                        error64=_max_difference(cand64[o], ref64[o]), scale=scale,
+                        reference_error=_max_difference(run.reference[o], ref64[o]))
+    return _Check(c.variant, o, by_float64(c.diagnosis, f, allow=opts.allow))
 
 
 def _repeat_checks(pool: ThreadPoolExecutor, candidate, run: _Run, repeats: int,
@@ -476,6 +539,13 @@ def _submit(pool: ThreadPoolExecutor, fn: Callable, *args, **kwargs) -> Future:
             return fn(*args, **kwargs)
 
     return pool.submit(under_callers_x64)
+
+
+def _done(value) -> Future:
+    """A `Future` that already holds `value`."""
+    f: Future = Future()
+    f.set_result(value)
+    return f
 
 
 def _analysis_workers() -> int:
@@ -598,8 +668,10 @@ def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
     check's model, the skipped variants, the reference's matmul precision and its
     nondeterminism."""
     worst = max(checks, key=_check_key)
-    d = narrowed(worst.diagnosis, _narrowest_formats(checks))
     failing = [c for c in checks if not c.diagnosis.passed]
+    passing = {c.variant for c in checks} - {c.variant for c in failing}
+    d = only_on_odd_shapes(narrowed(worst.diagnosis, _narrowest_formats(checks)),
+                           {c.variant for c in failing}, passing)
     ev = dict(d.evidence)
     note = ""
     if spread:
@@ -745,6 +817,10 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
       reference's matmul precision (also in the summary of a ``reduced_precision`` or
       ``low_precision_accumulation`` verdict). A ``reduced_precision`` verdict names the narrow
       format when one fits every failing check (``evidence["formats"]``: "inputs rounded to tf32").
+      A failing output is also judged by the candidate run in float64 (`detector.by_float64`:
+      ``unstable_algorithm``, ``approximation``); a candidate stopped by the Pallas
+      interpreter's race detector is ``data_race``; a kernel failing only on "odd_shape" is
+      ``tile_boundary`` (`detector.only_on_odd_shapes`).
 
     Raises:
       PeatError: bad options, a candidate or reference that raises, or outputs whose structure
@@ -761,22 +837,24 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     skipped: dict[str, str] = {}
     spread: dict[tuple[str, str], _Spread] = {}
     runs: dict[str, _Run] = {}
+    refs64: dict[str, dict[str, Any]] = {}
     pool = ThreadPoolExecutor(_analysis_workers(), thread_name_prefix="peat-analyze")
     try:
         pending = _run_variants(pool, candidate, reference, example_args, names, positions,
-                                repeats, opts, seed, skipped, spread, runs)
+                                repeats, opts, seed, skipped, spread, runs, refs64)
         checks = [_Check(p.variant, p.output, p.diagnosis.result()) for p in pending]
     finally:
         pool.shutdown(cancel_futures=True)   # a raising candidate leaves analyses queued
+    checks = _judged_by_float64(checks, candidate, runs, refs64, opts)
     checks = [_within_reference_spread(c, spread.get((c.variant, c.output))) for c in checks]
     checks = _explained_by_format(checks, runs, reference)
     return _verdict(checks, skipped=skipped, spread=spread, precision=precision)
 
 
 def _run_variants(pool, candidate, reference, example_args, names, positions, repeats, opts,
-                  seed, skipped, spread, runs) -> list[_Pending]:
-    """Runs both callables on every variant in turn (filling `skipped`, `spread` and `runs`)
-    and queues the analyses of their outputs on `pool`, in check order."""
+                  seed, skipped, spread, runs, refs64) -> list[_Pending]:
+    """Runs both callables on every variant in turn (filling `skipped`, `spread`, `runs` and
+    `refs64`) and queues the analyses of their outputs on `pool`, in check order."""
     key = jax.random.key(seed)
     checks: list[_Pending] = []
     for vi, name in enumerate(names):
@@ -786,11 +864,15 @@ def _run_variants(pool, candidate, reference, example_args, names, positions, re
             continue
         run = _run(candidate, reference, name, _to_jax(args), positions,
                    jax.random.fold_in(key, vi))
+        if run is _RACE:
+            race = _race_check(name)
+            checks.append(_Pending(race.variant, race.output, _done(race.diagnosis)))
+            break
         if isinstance(run, str):
             skipped[name] = run
             continue
         runs[name] = run
-        checks += _comparisons(pool, reference, run, opts, seed + vi)
+        checks += _comparisons(pool, reference, run, opts, seed + vi, refs64)
         if repeats > 1 and (name == "example" or spread):
             # once the reference differs from itself, every later variant measures how much
             spread.update(_reference_spread(reference, run))

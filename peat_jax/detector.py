@@ -31,7 +31,8 @@ from peat_jax.analyzer import Signature
 from peat_jax.errors import PeatError
 from peat_jax.formats import bit_class, float_format, narrow_formats_like, ulp_at
 
-__all__ = ["Diagnosis", "MODELS", "PASSING", "RULES", "Rule", "detect", "format_phrase", "narrowed",
+__all__ = ["CHECK_MODELS", "Diagnosis", "FLOAT64_RULES", "Float64Evidence", "MODELS", "PASSING", "RULES", "Rule",
+           "by_float64", "data_race", "detect", "format_phrase", "narrowed", "only_on_odd_shapes",
            "severity"]
 
 MODELS: tuple[str, ...] = taxonomy.MODELS
@@ -304,6 +305,33 @@ def _rounding_reach(s: Signature, golden: float) -> float:
     factor = s.noise.factor if s.noise is not None else 4.0
     scale = max(s.noise.rms_golden if s.noise is not None else 0.0, abs(golden))
     return factor * ulp_at(scale if math.isfinite(scale) else 0.0, float_format(s.dtype))
+
+
+def _rounding_at_scale(s: Signature) -> Optional[_Match]:
+    """Isolated significant elements (all listed), each smaller than the tensor's scale in both
+    the golden and the candidate (|g|, |c| < rms(g)) and each within the rounding reach there
+    (|c - g| <= F ULPs of the dtype at rms(g), `_rounding_reach`): small values left by a
+    cancellation of terms at the tensor's scale, which another algorithm rounds differently
+    (the per-element floor saw a golden that happened to cancel exactly there)."""
+    c = s.counts
+    if c.significant == 0 or c.significant > _isolated_limit(s) or not _worst_all_listed(s):
+        return None
+    if s.noise is None or c.new_nonfinite or not math.isfinite(s.noise.rms_golden):
+        return None
+    rms = s.noise.rms_golden
+    reach = [_rounding_reach(s, w.golden) for w in s.worst]
+    if not all(abs(w.candidate) < rms and abs(w.golden) < rms and
+               abs(w.candidate - w.golden) <= r for w, r in zip(s.worst, reach)):
+        return None
+    w = s.worst[0]
+    ev = {"elements": [list(x.index) for x in s.worst],
+          "errors": [abs(x.candidate - x.golden) for x in s.worst], "rounding_reach": reach,
+          "rms_golden": s.noise.rms_golden}
+    return _Match(ev, 0.6, f"{c.significant} isolated elements beyond their own floor but "
+                           f"within rounding at the tensor's scale (e.g. {_idx(w)}: "
+                           f"{_g(w.golden)} -> {_g(w.candidate)}, |error| "
+                           f"{_g(abs(w.candidate - w.golden))} <= {_g(reach[0])}, "
+                           f"{_g(s.noise.factor)} ULPs at rms {_g(s.noise.rms_golden)})")
 
 
 def _bit_flip(s: Signature) -> Optional[_Match]:
@@ -686,10 +714,11 @@ RULES: tuple[Rule, ...] = (
     Rule("repeat_noise", "numerical_noise", _repeat_noise),
     Rule("flush_to_zero", "flush_to_zero", _flush_to_zero),
     Rule("numerical_noise", "numerical_noise", _numerical_noise),
+    Rule("rounding_at_scale", "numerical_noise", _rounding_at_scale),
     Rule("stuck_at", "bit_flip", _stuck_at),
-    Rule("nan_inf", "nan_inf", _nan_inf),
     Rule("permuted_layout", "permuted_layout", _permuted_layout),
     Rule("tile_boundary", "tile_boundary", _tile_boundary),
+    Rule("nan_inf", "nan_inf", _nan_inf),
     Rule("operand_corruption", "operand_corruption", _operand_corruption),
     Rule("sign_flip", "sign_flip", _sign_flip),
     Rule("zeroed", "zeroed", _zeroed),
@@ -702,6 +731,139 @@ RULES: tuple[Rule, ...] = (
     Rule("unknown", "unknown", _unknown),
 )
 """The ordered sufficient conditions; the first that holds decides the model."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Conditions over the candidate evaluated in float64 (check_kernel supplies the numbers)
+# ----------------------------------------------------------------------------------------------
+
+class Float64Evidence(NamedTuple):
+    """One failing output, with the candidate also evaluated in float64 on the same inputs.
+
+    Attributes:
+      dtype: the candidate's output dtype (its float format).
+      error: max |candidate - float64 reference| (output units).
+      error64: max |candidate run in float64 - float64 reference| (output units; inf where the
+        float64 run is non-finite and the reference is not).
+      scale: max |float64 reference| over its finite elements.
+      reference_error: max |reference in the dtype - float64 reference| (output units).
+    """
+
+    dtype: str
+    error: float
+    error64: float
+    scale: float
+    reference_error: float
+
+
+UNSTABLE_FACTOR = 8.0
+"""How many times the reference's own max |error| (and the dtype's roundoff at the output's
+scale) a candidate's max |error| must exceed to be called unstable: a correct algorithm of the
+same dtype rounds about as much as the reference does."""
+
+
+def _unit_roundoff(dtype: str) -> float:
+    return 2.0 ** -(float_format(dtype).mantissa_bits + 1)
+
+
+def _unstable_algorithm(d: Diagnosis, f: Float64Evidence) -> Optional[_Match]:
+    """The check fails with a model other than reduced_precision or nondeterministic; the
+    candidate evaluated in float64 matches the float64 reference to within u * max|reference|
+    (u the unit roundoff of the candidate's dtype: its algorithm computes the right function);
+    and in its dtype its max |error| exceeds 8 times both that bound and the reference's own
+    max |error| (the dtype's rounding amplified: cancellation, as in a one-pass variance, or an
+    intermediate that overflows)."""
+    if d.passed or d.model in ("reduced_precision", "nondeterministic"):
+        return None
+    bound = _unit_roundoff(f.dtype) * f.scale
+    if not (f.error64 <= bound and f.error > UNSTABLE_FACTOR * max(bound, f.reference_error)):
+        return None
+    ev = {"error": f.error, "error_float64": f.error64, "reference_max": f.scale,
+          "reference_error": f.reference_error, "would_be": d.model}
+    return _Match(ev, 0.9, f"the algorithm is right (run in float64 its max |error| is "
+                           f"{_g(f.error64)}, below {f.dtype}'s roundoff at the output's scale "
+                           f"{_g(bound)}) but in {f.dtype} it loses it: max |error| "
+                           f"{_g(f.error)} (cancellation or overflow in an intermediate; "
+                           f"the rules alone said {d.model})")
+
+
+def _approximation(d: Diagnosis, f: Float64Evidence) -> Optional[_Match]:
+    """The check fails as low_precision_accumulation by the error's slope or bias (its values
+    are not on a narrower grid), or as reduced_precision of the inputs with no narrow format
+    fitting, and the candidate evaluated in float64 is still off the float64 reference by at
+    least half its error in its own dtype (the difference is in the function computed, e.g.
+    tanh-GELU for the exact GELU or a polynomial exp, not in rounding)."""
+    ev = d.evidence
+    dense = (d.model == "low_precision_accumulation" and "max_ulp_on_grid" not in ev) or (
+        d.model == "reduced_precision" and ev.get("where") == "inputs" and not ev.get("formats"))
+    if d.passed or not dense or not (f.error > 0 and f.error64 >= 0.5 * f.error):
+        return None
+    ev = {"error": f.error, "error_float64": f.error64, "reference_max": f.scale,
+          "would_be": d.model}
+    return _Match(ev, 0.8, f"a different function, not rounding: run in float64 it is still "
+                           f"{_g(f.error64)} off (max |error| {_g(f.error)} in {f.dtype}; "
+                           f"relative {_g(f.error64 / f.scale if f.scale else 0.0)})")
+
+
+FLOAT64_RULES: tuple[tuple[str, Callable[[Diagnosis, Float64Evidence], Optional[_Match]]], ...] \
+    = (("unstable_algorithm", _unstable_algorithm), ("approximation", _approximation))
+"""(model, condition) over a failing diagnosis and the candidate's float64 evaluation, in
+order; `check_kernel` applies them (`by_float64`)."""
+
+
+def by_float64(d: Diagnosis, f: Float64Evidence, *, allow: Iterable[str] = ()) -> Diagnosis:
+    """`d` renamed by the first of `FLOAT64_RULES` whose condition holds (``evidence["rule"]``
+    names it, ``evidence["would_be"]`` keeps the signature rules' model), else `d` itself."""
+    for model, test in FLOAT64_RULES:
+        m = test(d, f)
+        if m is None:
+            continue
+        allowed = model in frozenset(allow)
+        kept = ("leaf", "max_floor_ratio", "conditioning_floor")
+        ev = {**{k: v for k, v in d.evidence.items() if k in kept},
+              **m.evidence, "rule": model}
+        if allowed:
+            ev["allowed"] = True
+        verdict = "passes" if allowed else "fails"
+        return Diagnosis(model, allowed, m.confidence, _plain(ev),
+                         f"{verdict}: {model}{' (allowed)' if allowed else ''}, {m.detail}")
+    return d
+
+
+def data_race() -> Diagnosis:
+    """The diagnosis of a candidate the Pallas interpreter's race detector stopped: two grid
+    points on different simulated cores touched one block, at least one writing (sufficient:
+    the detector saw it; no comparison is needed)."""
+    return Diagnosis(
+        model="data_race", passed=False, confidence=1.0,
+        evidence={"rule": "data_race", "max_floor_ratio": "inf"},
+        summary=("fails: data_race, the Pallas interpreter's race detector saw two grid points "
+                 "on different cores access one block with at least one write (is a reduction "
+                 "or revisited output dimension marked 'parallel'?)"))
+
+
+CHECK_MODELS: tuple[str, ...] = tuple(m for m, _ in FLOAT64_RULES) + ("data_race",)
+"""The models only `check_kernel` names (from more than one signature: the candidate's float64
+run, the race detector); every other model has a rule in `RULES`."""
+
+
+def only_on_odd_shapes(d: Diagnosis, failing_variants: Iterable[str],
+                       passing_variants: Iterable[str]) -> Diagnosis:
+    """`d` (the worst check of a `check_kernel` call) renamed ``tile_boundary`` when this
+    sufficient condition holds: every failing check is on the "odd_shape" variant (each
+    dimension made indivisible by any block size 8..128) and every check on the example inputs
+    passes (the same code is right when the shapes divide: the partial blocks are
+    mishandled, e.g. a loop or grid that rounds the block count down). `d` itself otherwise,
+    and when it already names a bug of layout or a race."""
+    failing, passing = set(failing_variants), set(passing_variants)
+    if d.passed or failing != {"odd_shape"} or "example" not in passing or d.model in (
+            "tile_boundary", "permuted_layout", "data_race"):
+        return d
+    ev = {**d.evidence, "rule": "only_on_odd_shapes", "would_be": d.model}
+    return Diagnosis("tile_boundary", False, 0.8, _plain(ev),
+                     "fails: tile_boundary, wrong only when a dimension is not a multiple of "
+                     f"the block (passes on the example shapes; the rules alone said {d.model}: "
+                     f"{d.summary.split(', ', 1)[-1]})")
 
 
 def severity(d: Diagnosis) -> tuple:

@@ -75,6 +75,9 @@ ERROR_MODELS: tuple[ErrorModel, ...] = (
     ErrorModel(name="low_precision_accumulation", kind="numerical", severity=5, colour=_AMBER,
                fault="low_precision_accumulation",
                description="an accumulator kept in a narrow format"),
+    ErrorModel(name="approximation", kind="numerical", severity=5, colour=_AMBER,
+               fault=None,
+               description="a nearby but different function (tanh-GELU, a polynomial exp)"),
     ErrorModel(name="flush_to_zero", kind="numerical", severity=4, colour=_AMBER,
                fault=None, description="differences only at subnormals, flushed to zero"),
     ErrorModel(name="bit_flip", kind="fault", severity=8, colour=_RED,
@@ -99,6 +102,12 @@ ERROR_MODELS: tuple[ErrorModel, ...] = (
                description="errors aligned to block edges or the last (partial) block"),
     ErrorModel(name="nan_inf", kind="bug", severity=9, colour=_RED,
                fault="nan_inf", description="non-finite values where the golden is finite"),
+    ErrorModel(name="unstable_algorithm", kind="bug", severity=7, colour=_RED,
+               fault=None, description="the right function, computed so that the dtype's "
+                                       "rounding is amplified: cancellation, overflow"),
+    ErrorModel(name="data_race", kind="bug", severity=8, colour=_RED,
+               fault=None, description="grid points racing on one block (the Pallas "
+                                       "interpreter's race detector)"),
     ErrorModel(name="nondeterministic", kind="bug", severity=7, colour=_AMBER,
                fault=None, description="run-to-run differences beyond the noise floor"),
     ErrorModel(name="unknown", kind="bug", severity=8, colour=_RED,

@@ -138,7 +138,7 @@ def test_one_pass_variance_fails_on_a_large_mean():
     scale, bias = _normal((64,), 1), _normal((64,), 2)
     d = peat.check_kernel(_one_pass_layer_norm, references.layer_norm, x, scale, bias,
                           variants="example", repeats=1, backward=False)
-    assert not d.passed, d.summary
+    assert not d.passed and d.model == "unstable_algorithm", d.summary
     assert "conditioning_floor" in d.evidence
 
 

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import peat_jax as peat
 from peat_jax import faults, taxonomy
-from peat_jax.detector import MODELS, PASSING, RULES
+from peat_jax.detector import CHECK_MODELS, MODELS, PASSING, RULES
 
 
 def test_detector_and_profiler_names_come_from_the_table():
     assert MODELS == taxonomy.MODELS and PASSING == taxonomy.PASSING
-    assert {r.model for r in RULES} == set(taxonomy.MODELS)
+    assert {r.model for r in RULES} | set(CHECK_MODELS) == set(taxonomy.MODELS)
     assert peat.profiler.OUTCOMES == taxonomy.OUTCOMES
     assert [o.name for o in taxonomy.TRAINING_OUTCOMES if o.harmless] == ["masked"]
 
