@@ -15,11 +15,10 @@ import time
 import pytest
 
 import peat_jax as peat
-from peat_jax import cli, models
+from peat_jax import cli
 from peat_jax.errors import PeatError
 from peat_jax.profiler import distributed
 from peat_jax.profiler.campaign import merged_records
-from peat_jax.profiler.golden import profile
 from peat_jax.profiler.playback import playback
 
 FAULT = "scale(2.0)"
@@ -27,15 +26,16 @@ COMPARED = ("checkpoint", "site", "candidate", "status", "local", "effect", "eff
             "local_signature")
 
 
+CHECKPOINTS = "0,20"
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A 4-step golden run of a small vision workload (checkpoints 0 and 2: 12 cells over its 6
-    dot_general sites), and the one-process campaign's records, by cell."""
-    path = tmp_path_factory.mktemp("dist") / "run"
-    profile(models.get("vision", batch_size=8, width=4, hidden=16), path, steps=4,
-            checkpoint_every=2)
-    one = playback(path, {"dot_general": peat.faults.scale(2.0)}, name="one")
-    return path, {(r["checkpoint"], r["site"]): r for r in one.records()}
+def run(small_vision_run):
+    """The shared small vision run (checkpoints 0 and 20 x its 6 dot_general sites: 12 cells),
+    and the one-process campaign's records, by cell."""
+    one = playback(small_vision_run, {"dot_general": peat.faults.scale(2.0)}, checkpoints=[0, 20],
+                   name="dist-one")
+    return small_vision_run, {(r["checkpoint"], r["site"]): r for r in one.records()}
 
 
 def _free_port() -> int:
@@ -47,7 +47,8 @@ def _free_port() -> int:
 def _start(run_dir, name, *share: str) -> subprocess.Popen:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     return subprocess.Popen([sys.executable, "-m", "peat_jax", "playback", str(run_dir), "--fault",
-                             FAULT, "--name", name, "--json", *share], env=env, text=True,
+                             FAULT, "--name", name, "--checkpoints", CHECKPOINTS, "--json",
+                             *share], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -85,9 +86,9 @@ def _assert_equal_to_one(campaign: pathlib.Path, one: dict) -> None:
 @pytest.mark.slow
 def test_two_processes_split_the_grid_and_merge_to_the_one_process_campaign(run):
     run_dir, one = run
-    results = _wait(_processes(run_dir, "two", 2))
+    results = _wait(_processes(run_dir, "dist-two", 2))
     assert [rc for rc, _, _ in results] == [1, 1], [e[-2000:] for _, _, e in results]
-    camp = run_dir / "campaigns" / "two"
+    camp = run_dir / "campaigns" / "dist-two"
     assert sorted(p.name for p in camp.glob("results*")) == ["results.p0-of-2.jsonl",
                                                              "results.p1-of-2.jsonl"]
     _assert_equal_to_one(camp, one)
@@ -96,14 +97,14 @@ def test_two_processes_split_the_grid_and_merge_to_the_one_process_campaign(run)
     assert lead["summary"] == {"cells": 12, "passed": 0, "failed": 12, "crashed": 0, "timeout": 0}
     # and `peat report` reads it merged
     assert cli.main(["report", str(run_dir)]) == 0
-    assert (run_dir / "report.html").read_text().count("Playback campaign: two") == 1
+    assert (run_dir / "report.html").read_text().count("Playback campaign: dist-two") == 1
 
 
 @pytest.mark.slow
-def test_a_killed_process_leaves_the_others_to_finish_and_its_share_resumes(run):
+def test_a_killed_process_leaves_the_others_to_finish_and_its_share_resumes(run, monkeypatch):
     run_dir, one = run
-    procs = _processes(run_dir, "three", 3)
-    mine = run_dir / "campaigns" / "three" / "results.p1-of-3.jsonl"
+    procs = _processes(run_dir, "dist-three", 3)
+    mine = run_dir / "campaigns" / "dist-three" / "results.p1-of-3.jsonl"
     deadline = time.monotonic() + 120
     try:
         while not (mine.exists() and mine.read_text().count("\n") >= 1):
@@ -116,16 +117,18 @@ def test_a_killed_process_leaves_the_others_to_finish_and_its_share_resumes(run)
     assert [results[0][0], results[2][0]] == [1, 1], [e[-2000:] for _, _, e in results]
     done = len(mine.read_text().splitlines())
     assert 1 <= done < 4  # its share is 4 of the 12 cells
-    # its share again, alone (no coordinator): the missing cells only
-    rc, _, err = _wait([_start(run_dir, "three", "--num-processes", "3", "--process-id", "1")])[0]
-    assert rc == 1, err[-2000:]
-    assert len(mine.read_text().splitlines()) == 4
-    _assert_equal_to_one(run_dir / "campaigns" / "three", one)
-
-
-def test_coordinator_that_cannot_be_reached_is_a_clear_error(run, capsys, monkeypatch):
+    # its share again, alone (no coordinator, so in this process): the missing cells only
     monkeypatch.setenv("PEAT_CACHE_DIR", "off")
-    rc = cli.main(["playback", str(run[0]), "--fault", FAULT, "--coordinator",
+    assert cli.main(["playback", str(run_dir), "--fault", FAULT, "--name", "dist-three",
+                     "--checkpoints", CHECKPOINTS, "--num-processes", "3", "--process-id", "1",
+                     "--json"]) == 1
+    assert len(mine.read_text().splitlines()) == 4
+    _assert_equal_to_one(run_dir / "campaigns" / "dist-three", one)
+
+
+def test_coordinator_that_cannot_be_reached_is_a_clear_error(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("PEAT_CACHE_DIR", "off")
+    rc = cli.main(["playback", str(tmp_path), "--fault", FAULT, "--coordinator",
                    f"localhost:{_free_port()}", "--num-processes", "2", "--process-id", "1",
                    "--init-timeout", "0.5"])
     err = capsys.readouterr().err
@@ -134,10 +137,10 @@ def test_coordinator_that_cannot_be_reached_is_a_clear_error(run, capsys, monkey
 
 @pytest.mark.parametrize("how", ["flags", "env"])
 @pytest.mark.parametrize("command", ["runtime", "profile"])
-def test_runtime_and_profile_refuse_to_run_as_one_of_several_processes(run, command, how, capsys,
+def test_runtime_and_profile_refuse_to_run_as_one_of_several_processes(command, how, capsys,
                                                                        monkeypatch, tmp_path):
     monkeypatch.setenv("PEAT_CACHE_DIR", "off")
-    argv = (["runtime", str(run[0]), "--fault", "scale(2.0)", "--every", "2"]
+    argv = (["runtime", str(tmp_path), "--fault", "scale(2.0)", "--every", "2"]
             if command == "runtime" else ["profile", "vision", "--out", str(tmp_path / "p")])
     if how == "flags":
         argv += ["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "0"]
@@ -147,8 +150,7 @@ def test_runtime_and_profile_refuse_to_run_as_one_of_several_processes(run, comm
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert f"peat {command} runs in one process" in err and "run it once" in err
-    assert not (tmp_path / "p").exists()
-    assert not (run[0] / "campaigns" / "runtime-scale").exists()
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 @pytest.mark.parametrize("args, env, want", [
