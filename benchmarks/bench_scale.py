@@ -58,6 +58,7 @@ def campaign(run_dir: pathlib.Path, name: str, n: int, env: dict, candidate: lis
                               text=True) for i in range(n)]
     errors = [p.communicate(timeout=600)[1] for p in procs]
     seconds = time.perf_counter() - t0
+    print(f"{name}: {n} process(es), {seconds:.1f} s", file=sys.stderr, flush=True)
     for p, err in zip(procs, errors):
         if p.returncode not in (0, 1):  # 1: the campaign found the fault, as it should
             raise RuntimeError(f"a playback process exited with {p.returncode}: {err[-2000:]}")
@@ -78,7 +79,8 @@ def cpu(rounds: int = 2) -> dict:
         run_dir = pathlib.Path(tmp) / "run"
         profile(models.get("vision", batch_size=16, width=8, hidden=32), run_dir, steps=8,
                 checkpoint_every=2)
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PEAT_CACHE_DIR": str(pathlib.Path(tmp) / "xla"),
+        env = {**os.environ, "JAX_PLATFORMS": "cpu",
+               "PEAT_CACHE_DIR": str(pathlib.Path(tmp) / "xla"),
                "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") +
                              " --xla_cpu_multi_thread_eigen=false").strip()}
         candidate = ["--fault", "scale(2.0)"]

@@ -31,8 +31,8 @@ from peat_jax.errors import PeatError
 __all__ = [
     "JAX_VERSION", "TESTED_RANGE", "Literal", "ScanLayout", "WhileLayout", "bind", "cache_size",
     "call_body", "cond_branches", "cuda_versions", "eqn_context", "ffi_platform", "is_differentiating", "is_jaxpr",
-    "is_tracer", "jaxpr_body", "jaxpr_consts", "live_processes", "name_stack", "pallas_interpreter", "remat_layout",
-    "scan_layout", "sub_jaxprs", "unsupported", "while_layout",
+    "is_tracer", "jaxpr_body", "jaxpr_consts", "live_processes", "name_stack",
+    "pallas_interpreter", "remat_layout", "scan_layout", "sub_jaxprs", "unsupported", "while_layout",
 ]
 
 JAX_VERSION: str = jax.__version__

@@ -55,11 +55,11 @@ def _start(run_dir, name, *share: str) -> subprocess.Popen:
 def _processes(run_dir, name, n: int) -> list[subprocess.Popen]:
     coordinator = f"localhost:{_free_port()}"
     return [_start(run_dir, name, "--coordinator", coordinator, "--num-processes", str(n),
-                   "--process-id", str(i), "--init-timeout", "60", "--heartbeat-timeout", "5")
+                   "--process-id", str(i), "--init-timeout", "120", "--heartbeat-timeout", "5")
             for i in range(n)]
 
 
-def _wait(procs, timeout=120.0) -> list[tuple[int, str, str]]:
+def _wait(procs, timeout=300.0) -> list[tuple[int, str, str]]:
     out = []
     try:
         for p in procs:
@@ -73,7 +73,8 @@ def _wait(procs, timeout=120.0) -> list[tuple[int, str, str]]:
 
 
 def _assert_equal_to_one(campaign: pathlib.Path, one: dict) -> None:
-    lines = [json.loads(x) for f in campaign.glob("results*.jsonl") for x in f.read_text().splitlines()]
+    lines = [json.loads(x) for f in campaign.glob("results*.jsonl")
+             for x in f.read_text().splitlines()]
     keys = [(r["checkpoint"], r["site"]) for r in lines]
     assert len(keys) == len(set(keys)) == len(one)  # every cell once, in one file
     merged = merged_records(campaign)
@@ -105,7 +106,7 @@ def test_a_killed_process_leaves_the_others_to_finish_and_its_share_resumes(run,
     run_dir, one = run
     procs = _processes(run_dir, "dist-three", 3)
     mine = run_dir / "campaigns" / "dist-three" / "results.p1-of-3.jsonl"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     try:
         while not (mine.exists() and mine.read_text().count("\n") >= 1):
             assert time.monotonic() < deadline and procs[1].poll() is None, "no first cell"
