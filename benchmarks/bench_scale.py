@@ -3,8 +3,9 @@
 A small golden run of the vision workload (checkpoints 0, 2, 4, 6 x its 6 dot_general sites = 24
 cells) is profiled once; the same campaign (`peat playback --fault "scale(2.0)"`) then runs as 1,
 2 and 4 real processes on localhost (`--coordinator`, a port from the OS), in interleaved rounds,
-each on a fresh campaign name. A warm-up run fills the persistent compilation cache first, so
-every timed run loads its executables alike.
+each on a fresh campaign name. An untimed warm-up run at each process count fills the persistent
+compilation cache first (a process of a multi-process run compiles other executables than a lone
+one), so every timed run loads its executables alike.
 
 cells_per_s: {"1": .., "2": .., "4": ..}: cells over the median wall time from starting the
   processes to the last one's exit (import, restore, trace and compile included: what a user
@@ -84,7 +85,8 @@ def cpu(rounds: int = 2) -> dict:
                "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") +
                              " --xla_cpu_multi_thread_eigen=false").strip()}
         candidate = ["--fault", "scale(2.0)"]
-        campaign(run_dir, "warmup", 1, env, candidate)
+        for n in COUNTS:  # compiled executables differ by process count: cache each
+            campaign(run_dir, f"warmup-{n}", n, env, candidate)
         times: dict[int, list[float]] = {n: [] for n in COUNTS}
         for r in range(rounds):
             for n in COUNTS:
