@@ -2,8 +2,8 @@
 # The GPU check: what a person with a GPU runs (under 6 minutes on one H200) to see that peat_jax
 # holds there. It runs `peat demo` on the vision and the language workload, `peat check` of every
 # bundled kernel (ffi_matmul builds its CUDA version with nvcc: $NVCC, PATH or /usr/local/cuda/bin;
-# ffi_matmul_tile_bug must exit 1), and the core, analyzer and profiler benchmarks (each prints its
-# one JSON line).
+# ffi_matmul_tile_bug must exit 1), and the core, analyzer, profiler and (GPU) scale benchmarks
+# (each prints its one JSON line).
 # Ends with one JSON line: each step's exit status and seconds, the jax version and the device.
 #
 #   bash benchmarks/gpu_check.sh            # PYTHON=... to choose the interpreter
@@ -38,6 +38,8 @@ step check_ffi_matmul_tile_bug 60 "$PY" -m peat_jax check ffi_matmul_tile_bug
 for b in bench_core bench_analyze bench_profiler; do
   step "$b" 240 "$PY" "benchmarks/$b.py"
 done
+# playback cells per second on the language workload at size="large" with the Pallas matmul
+step bench_scale_gpu 240 "$PY" benchmarks/bench_scale.py --gpu
 
 DEVICE=$("$PY" -c "import jax; d = jax.devices()[0]; print(d.platform + ': ' + d.device_kind)" 2>/dev/null)
 JAXV=$("$PY" -c "import jax; print(jax.__version__)" 2>/dev/null)

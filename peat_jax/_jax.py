@@ -37,8 +37,8 @@ __all__ = [
     "JAX_VERSION", "TESTED_RANGE", "Literal", "ScanLayout", "ShardMapLayout", "WhileLayout",
     "bind", "cache_size", "call_body", "cond_branches", "cuda_versions", "eqn_context",
     "ffi_platform", "is_differentiating", "is_jaxpr", "is_tracer", "jaxpr_body", "jaxpr_consts",
-    "name_stack", "pallas_interpreter", "remat_layout", "scan_layout", "shard_map",
-    "shard_map_layout", "sub_jaxprs", "unsupported", "while_layout",
+    "live_processes", "name_stack", "pallas_interpreter", "remat_layout", "scan_layout",
+    "shard_map", "shard_map_layout", "sub_jaxprs", "unsupported", "while_layout",
 ]
 
 JAX_VERSION: str = jax.__version__
@@ -357,3 +357,18 @@ def cuda_versions() -> dict[str, Optional[int]]:
 
     return {"cuda_version": ask("cuda_runtime_get_version"),
             "cudnn_version": ask("cudnn_get_version")}
+
+
+# --------------------------------------------------------------------------------------------
+# The multi-process runtime
+
+def live_processes(count: int) -> set[int]:
+    """The ids among ``range(count)`` of the processes jax's coordination service counts as
+    alive (connected, heartbeats arriving), or ``set(range(count))`` when
+    `jax.distributed.initialize` was not called. No public API asks this: the client behind
+    `jax.distributed` holds `get_live_nodes` (jax 0.10.2 to 0.12.0.1)."""
+    from jax._src import distributed
+    client = distributed.global_state.client
+    if client is None:
+        return set(range(count))
+    return {int(i) for i in client.get_live_nodes(list(range(count)))}

@@ -14,6 +14,9 @@
   peat check KERNEL [--shapes 64x32,32x16] [--dtype float32] [--reference-precision P]
                                                a kernel against XLA
   peat playback ... --cell-timeout S           campaign in a restartable worker process
+  peat playback ... --coordinator HOST:PORT --num-processes N --process-id I
+                                               process I of N on jax.distributed: its share of
+                                               the grid (without --coordinator: share I alone)
   peat report RUN_DIR                          (re)write RUN_DIR/report.html
 
 TARGET: a bundled workload name, or `module.path:attribute` naming a `peat.Workload` or a
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import importlib
 import json
 import sys
@@ -43,7 +47,8 @@ from peat_jax import models
 from peat_jax.errors import PeatError
 from peat_jax.precision import MATMUL_PRECISIONS
 from peat_jax.profiler import supervisor
-from peat_jax.profiler.campaign import Campaign, campaign_name
+from peat_jax.profiler import distributed
+from peat_jax.profiler.campaign import Campaign, campaign_name, merged_records
 from peat_jax.profiler.rundir import RunDir
 
 # Bundled kernels by name: factory, and the primitive or region its reference lowers to.
@@ -250,6 +255,7 @@ def _site_json(s: peat.Site) -> dict[str, Any]:
 
 
 def cmd_profile(args) -> int:
+    distributed.refuse("profile", _processes(args))
     wl = _workload(args.target)
     steps = args.steps or int(wl.config.get("steps", 100))
     substitution = None
@@ -293,24 +299,50 @@ def _cells_table(title: str, records: list[dict]):
 
 
 def cmd_playback(args) -> int:
-    cand = _candidate(args)
-    sel = _selector(args.sites, "dot_general")
-    if args.cell_timeout is not None and not args.worker:
-        return _supervise(args, cand, sel)
-    with _Progress(not args.json) as p:
-        res = _playback(args, cand, sel, p.task("playback cells"))
-    peat.report.write_report(args.run_dir)
+    procs = _processes(args)
+    if procs is not None and procs.coordinator is not None and args.cell_timeout is not None:
+        raise PeatError("--cell-timeout restarts its worker process, which cannot rejoin "
+                        "jax.distributed: give each process its share without --coordinator "
+                        "(--process-id I --num-processes N) to use a time limit")
+    if procs is not None:
+        distributed.start(procs, timeout=args.init_timeout,
+                          heartbeat_timeout=args.heartbeat_timeout)
+    try:
+        cand = _candidate(args)
+        sel = _selector(args.sites, "dot_general")
+        if args.cell_timeout is not None and not args.worker:
+            return _supervise(args, cand, sel)
+        with _Progress(not args.json) as p:
+            res = _playback(args, cand, sel, p.task("playback cells"),
+                            procs.share if procs is not None else None)
+    finally:
+        distributed.finish()  # process 0 waits here for the others
+    if procs is None or procs.index == 0:
+        if procs is not None and procs.coordinator is not None:
+            res = _merged(res)  # every process has finished or died: the whole campaign
+        peat.report.write_report(args.run_dir)
     _print_playback(args, cand, res)
     return 1 if res.failing("local") else 0
 
 
-def _playback(args, cand, sel, progress) -> "peat.PlaybackResult":
-    """The campaign; in a worker, a cell past its time limit ends the process so that the
-    supervisor starts the next one."""
+def _merged(res: "peat.PlaybackResult") -> "peat.PlaybackResult":
+    """`res` with the cells of every process's results file (this process's share and the
+    others'), in grid order."""
+    cells = tuple(merged_records(res.campaign))
+    return dataclasses.replace(res, cells=cells)
+
+
+def _processes(args) -> Optional[distributed.Processes]:
+    return distributed.processes(args.coordinator, args.num_processes, args.process_id)
+
+
+def _playback(args, cand, sel, progress, host) -> "peat.PlaybackResult":
+    """The campaign (this process's share of it, where `host` says); in a worker, a cell past
+    its time limit ends the process so that the supervisor starts the next one."""
     try:
         return peat.playback(args.run_dir, {sel: cand},
                              checkpoints=_ints(args.checkpoints, "--checkpoints"), name=args.name,
-                             progress=progress, cell_timeout=args.cell_timeout)
+                             progress=progress, cell_timeout=args.cell_timeout, host=host)
     except peat.CellTimeout as e:
         if not args.worker:
             raise
@@ -348,6 +380,7 @@ def _supervise(args, cand, sel) -> int:
 
 
 def cmd_runtime(args) -> int:
+    distributed.refuse("runtime", _processes(args))
     cand = _candidate(args)
     schedule = _schedule(args)
     run_dir = args.run_dir
@@ -555,6 +588,23 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
         sp.add_argument("--seed", type=int, default=0, help="seed (default 0)")
 
+    def processes(sp, playback=False):
+        env = dict(zip(("coordinator", "count", "id"), distributed.ENV))
+        sp.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="jax.distributed coordinator, hosted by process 0 (default "
+                             f"${env['coordinator']})")
+        sp.add_argument("--num-processes", type=_positive, metavar="N",
+                        help=f"processes the campaign is split over (default ${env['count']})")
+        sp.add_argument("--process-id", type=int, metavar="I",
+                        help=f"this process's id, 0..N-1 (default ${env['id']}); without a "
+                             "coordinator: run share I of N alone")
+        if playback:
+            sp.add_argument("--init-timeout", type=_positive_float, default=120.0,
+                            metavar="SECONDS", help="time to reach the coordinator and for all "
+                                                    "processes to join (default 120)")
+            sp.add_argument("--heartbeat-timeout", type=_positive, default=60, metavar="SECONDS",
+                            help="silence after which a process is taken for dead (default 60)")
+
     d = sub.add_parser("demo", help="the main job on the default workload (start here)")
     d.add_argument("--out", default="peat-demo", help="run directory to write (default ./peat-demo)")
     d.add_argument("--workload", default=models.DEFAULT, choices=models.available())
@@ -587,6 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--name", help="campaign name (default from the candidate)")
 
     candidate(pr, campaign=False)
+    processes(pr)
     common(pr)
     pr.set_defaults(func=cmd_profile)
 
@@ -604,6 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="time limit per cell: run the campaign in a worker process, record a "
                          "cell past the limit (or one whose kernel kills the process) and go on")
     pb.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    processes(pb, playback=True)
     common(pb)
     pb.set_defaults(func=cmd_playback)
 
@@ -615,6 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--at-steps", help="fire at these steps, comma-separated")
     rt.add_argument("--probability", type=float, help="fire with this probability per step")
     rt.add_argument("--steps", type=_positive, help="steps (default: the whole golden run)")
+    processes(rt)
     common(rt)
     rt.set_defaults(func=cmd_runtime)
 

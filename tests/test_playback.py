@@ -83,7 +83,7 @@ def test_hosts_split_the_grid_and_read_each_others_results(run):
     b = playback(run, sub, checkpoints=[0, 20], name="hosts", host=(1, 2))
     assert [(r["checkpoint"], r["site"]) for r in b.records()] == [(0, 5), (0, 6), (20, 5), (20, 6)]
     files = sorted(p.name for p in (run / "campaigns" / "hosts").glob("results*"))
-    assert files == ["results.host0.jsonl", "results.host1.jsonl"]
+    assert files == ["results.p0-of-2.jsonl", "results.p1-of-2.jsonl"]
     with pytest.raises(peat.PeatError, match="host must be"):
         playback(run, sub, name="hosts", host=(2, 2))
 

@@ -108,7 +108,8 @@ def _severity(sig: Signature) -> tuple:
 
 def _home(*xs):
     """The device the statistics run on: that of the first single-device jax array among `xs`,
-    else the default device. Every operand is committed to it, so the jitted statistics compile
+    else this process's first device (in a multi-process run `jax.devices()[0]` may be another
+    process's, whose arrays cannot be read here). Every operand is committed to it, so the jitted statistics compile
     once per (shape, dtype, device): a committed and an uncommitted array of the same shape
     would otherwise be two cache entries, i.e. two ~1.5 s compilations."""
     for x in xs:
@@ -116,7 +117,7 @@ def _home(*xs):
             devs = x.sharding.device_set
             if len(devs) == 1:
                 return next(iter(devs))
-    return jax.devices()[0]
+    return jax.local_devices()[0]
 
 
 def _check_leaf(where: str, c, g, r, k) -> None:

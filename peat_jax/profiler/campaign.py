@@ -5,7 +5,8 @@ A campaign is the directory `campaigns/<name>/` of a run directory:
                                  substitution; a rerun with another substitution is refused
   results.jsonl                  one JSON line per finished cell (checkpoint, site, ...),
                                  appended as cells finish, so a rerun resumes
-  results.host<i>.jsonl          the same, for host i of n when the grid is split over hosts
+  results.p<i>-of-<n>.jsonl      the same, for process i of n when the grid is split over
+                                 processes (hosts); every reader merges all results files
   <results file>.running         while a group of cells runs under a time limit: the records to
                                  write for them if the process dies there (a supervisor writes
                                  them and removes the marker)
@@ -24,12 +25,13 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import jax
 
 from peat_jax.errors import PeatError
-from peat_jax.profiler.rundir import RunDir, append_jsonl, atomic_write_json, read_jsonl
+from peat_jax.profiler.rundir import (PathLike, RunDir, append_jsonl, atomic_write_json,
+                                     read_jsonl)
 from peat_jax.sites import Site
 from peat_jax.substitute import Candidate, Substitution
 
-__all__ = ["Campaign", "Marker", "campaign_name", "campaign_spec", "open_campaign",
-           "substitution_digest"]
+__all__ = ["Campaign", "Marker", "campaign_name", "campaign_spec", "merged_records",
+           "open_campaign", "substitution_digest"]
 
 SPEC = "campaign.json"
 RUNNING = ".running"
@@ -113,7 +115,8 @@ class Campaign:
     @property
     def results_path(self) -> pathlib.Path:
         """This host's results file."""
-        name = "results.jsonl" if self.hosts == 1 else f"results.host{self.host}.jsonl"
+        name = ("results.jsonl" if self.hosts == 1 else
+                f"results.p{self.host}-of-{self.hosts}.jsonl")
         return self.path / name
 
     @property
@@ -123,12 +126,7 @@ class Campaign:
 
     def done(self) -> dict[tuple[int, int], dict]:
         """The records of the finished cells of every host, by (checkpoint, site)."""
-        out = {}
-        for f in sorted(self.path.glob("results*.jsonl")):
-            for r in read_jsonl(f):
-                if "checkpoint" in r and "site" in r:
-                    out[(int(r["checkpoint"]), int(r["site"]))] = r
-        return out
+        return _by_cell(self.path)
 
     def todo(self, grid: Sequence[tuple[int, int]], done: Mapping[tuple[int, int], Any]
              ) -> set[tuple[int, int]]:
@@ -152,6 +150,30 @@ class Campaign:
     def markers(self) -> list[Marker]:
         """The running markers of every host and process in the directory."""
         return [Marker(p) for p in sorted(self.path.glob("*" + RUNNING))]
+
+
+def merged_records(path: PathLike) -> list[dict]:
+    """The campaign at `path` as one list: the records of all its results files (every process
+    and host), one per cell (checkpoint, site), in grid order (checkpoint-major, sites in the
+    order of `campaign.json`, else by index). Where a cell was recorded twice, the later line
+    of its file wins."""
+    cells = _by_cell(pathlib.Path(path))
+    try:
+        spec = _read_spec(pathlib.Path(path) / SPEC) or {}
+    except PeatError:  # a damaged spec: the results are still readable, in index order
+        spec = {}
+    order = {s: k for k, s in enumerate(spec.get("sites", []))}
+    return [cells[key] for key in sorted(cells, key=lambda c: (c[0], order.get(c[1], len(order)),
+                                                                c[1]))]
+
+
+def _by_cell(path: pathlib.Path) -> dict[tuple[int, int], dict]:
+    out = {}
+    for f in sorted(path.glob("results*.jsonl")):
+        for r in read_jsonl(f):
+            if "checkpoint" in r and "site" in r:
+                out[(int(r["checkpoint"]), int(r["site"]))] = r
+    return out
 
 
 def open_campaign(run_dir: RunDir, name: str, spec: Mapping[str, Any],

@@ -127,7 +127,29 @@ def _manager(rd: RunDir):
     return ocp.CheckpointManager(
         rd.checkpoints.absolute(),
         options=ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=False,
-                                             create=True))
+                                             **_on_its_own()))
+
+
+def _on_its_own() -> dict:
+    """Orbax options for a process of a multi-process campaign (`jax.process_count() > 1`),
+    which reads checkpoints on its own: Orbax would otherwise synchronise every process at each
+    restore (and wait forever on one that died). Only one process writes a run directory, so
+    only one creates it."""
+    if jax.process_count() == 1:
+        return {"create": True}
+    import orbax.checkpoint as ocp
+    i = jax.process_index()
+    return {"create": False, "multiprocessing_options": ocp.options.MultiprocessingOptions(
+        primary_host=i, active_processes={i}, barrier_sync_key_prefix=f"peat-p{i}")}
+
+
+def _local(target):
+    """`target` (ShapeDtypeStructs) placed on this process's first device where several
+    processes run (the checkpoint's own sharding names another process's device)."""
+    if jax.process_count() == 1:
+        return target
+    where = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), target)
 
 
 def available_checkpoints(rd: RunDir) -> list[int]:
@@ -177,7 +199,8 @@ def restore(run_dir: PathLike, step: int, *, workload: Optional[Workload] = None
                         f"{steps or 'none'}")
     others = [s for s in steps if s != step]
     remedy = f"use another checkpoint ({others}) or re-profile into a new directory"
-    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _abstract_state(wl, int(m["seed"])))
+    target = _local(jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                                 _abstract_state(wl, int(m["seed"]))))
     with quiet():
         mgr = _manager(rd)
         try:

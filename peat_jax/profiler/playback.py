@@ -171,10 +171,12 @@ def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
         (devices= with several devices is then an error).
 
       host: `(index, count)`: this process replays only the cells whose ordinal in the grid is
-        `index` mod `count`, writing `results.host<index>.jsonl` (default: from
-        `jax.process_index()` / `jax.process_count()` after `jax.distributed.initialize()`, so
-        the same script started on every host splits the grid). Results of all hosts are read
-        back together.
+        `index` mod `count`, writing `results.p<index>-of-<count>.jsonl` (default: from
+        `jax.process_index()` / `jax.process_count()`, so the same script started as N
+        processes after `jax.distributed.initialize()` splits the grid; `peat playback
+        --coordinator` does this, see `peat_jax.profiler.distributed`). The results of all
+        processes are read back merged: the returned cells are those of every process that
+        were finished when this one started, and its own.
       progress: called as `progress(done, total)` after each cell.
       cell_timeout: a time limit in seconds for each cell's replay (None: no limit). A cell past
         it is recorded as "timeout" and the campaign stops with `CellTimeout` (a `PeatError`):

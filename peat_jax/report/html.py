@@ -19,7 +19,8 @@ from peat_jax.errors import PeatError
 from peat_jax.profiler.compare import PROPAGATED_RTOL, read_comparisons
 from peat_jax.profiler.effect import Effect
 from peat_jax.profiler.nan_origin import NanOrigin
-from peat_jax.profiler.rundir import PathLike, RunDir, read_jsonl
+from peat_jax.profiler.campaign import merged_records
+from peat_jax.profiler.rundir import PathLike, RunDir
 from peat_jax.report.plots import bar_chart, line_chart, mask_image
 
 __all__ = ["write_report", "render_report"]
@@ -259,9 +260,7 @@ def render_report(run_dir: PathLike) -> str:
             parts.append("<p class='fail'>golden/eval.json is damaged</p>")
     camp_root = rd.path / "campaigns"
     for camp in sorted(camp_root.iterdir()) if camp_root.exists() else []:
-        records: list[dict] = []
-        for f in sorted(camp.glob("results*.jsonl")):
-            records.extend(read_jsonl(f))
+        records = merged_records(camp)
         if records:
             parts.append(_playback_section(camp.name, records))
         rt = camp / "runtime.json"
