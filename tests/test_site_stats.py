@@ -3,6 +3,7 @@ where two runs part ways. Real differences only: a fault or a kernel substituted
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -112,6 +113,42 @@ def test_compare_cli_json_and_report(runs, capsys):
     html = (runs["ref"] / "report.html").read_text()
     assert "Comparison with" in html and 'class="grid heat"' in html
     assert cli.main(["compare", str(runs["ref"]), str(runs["again"]), "--json"]) == 0
+    capsys.readouterr()
+    assert cli.main(["compare", str(runs["ref"]), str(runs["scaled"]), "--replay", "--json"]) == 1
+    replay = json.loads(capsys.readouterr().out)["replay"]
+    assert replay["site"] == out["first_site"] and replay["checkpoint"] == 0
+    assert replay["diagnosis"]["model"] == "wrong_scale" and replay["matches_a"]
+
+
+def test_replay_diagnoses_the_diverging_site_on_this_backend(runs):
+    site = _bwd_gemm(_wl())
+    c = peat.compare(runs["ref"], runs["scaled"], replay=True)
+    r = c.replay
+    assert (r.step, r.checkpoint, r.site) == (0, 0, c.first_site)
+    assert (r.site.index, r.site.phase) == (site.index, "bwd")
+    assert r.diagnosis.model == "wrong_scale" and not r.diagnosis.passed
+    assert r.matches_a and r.relative_difference_a == 0.0  # XLA:CPU reproduces run a bitwise
+    assert r.relative_difference == pytest.approx(0.5, rel=1e-3)
+    assert "replayed on cpu" in c.summary()
+    assert peat.compare(runs["ref"], runs["again"], replay=True).replay is None
+
+
+def test_replay_needs_a_checkpoint_before_the_step(runs, tmp_path):
+    ref, scaled = tmp_path / "ref", tmp_path / "scaled"
+    shutil.copytree(runs["ref"], ref)
+    shutil.copytree(runs["scaled"], scaled)
+    shutil.rmtree(RunDir(ref).checkpoints / "0")
+    with pytest.raises(peat.PeatError, match=r"no checkpoint at or before step 0.*\[3\]"):
+        peat.compare(ref, scaled, replay=True)
+    with pytest.raises(peat.PeatError, match="substitution"):
+        peat.compare(runs["scaled"], runs["ref"], replay=True)
+
+
+def test_replay_takes_the_workload_object(runs):
+    with pytest.raises(peat.PeatError, match=r"workload='other'"):
+        peat.compare(runs["ref"], runs["scaled"], replay=True, workload=_wl()._replace(name="other"))
+    r = peat.compare(runs["ref"], runs["scaled"], replay=True, workload=_wl()).replay
+    assert r.diagnosis.model == "wrong_scale" and r.matches_a
 
 
 def test_profile_rejects_a_bad_stats_interval(tmp_path):

@@ -50,7 +50,7 @@ from peat_jax.substitute import Candidate, Substitution, fault_key, make_rules, 
 
 __all__ = ["SAMPLE_SIZE", "STATISTICS", "SiteStats", "StatsSite", "StatsStep", "describe_sites",
            "pack", "read_sites", "read_step", "recorded_steps", "reduce_iterations",
-           "sample_indices", "site_stats", "write_sites", "write_step"]
+           "sample_indices", "site_stats", "unpack", "write_sites", "write_step"]
 
 SAMPLE_SIZE = 64
 """Elements of each site output kept as its fixed-index sample (fewer for smaller outputs)."""
@@ -341,10 +341,16 @@ def read_step(directory, step: int) -> dict[str, np.ndarray]:
     p = directory / f"{int(step)}.npz"
     try:
         with np.load(p, allow_pickle=False) as z:
-            floats, words, sample = z["floats"], z["words"], z["sample"]
-        return {"absmax": floats[:, 0], "mean": floats[:, 1], "rms": floats[:, 2],
-                "zeros": floats[:, 3], "nonfinite": words[:, 0].astype(np.int64),
-                "checksum": words[:, 1], "sample": sample}
+            return unpack({k: z[k] for k in ("floats", "words", "sample")})
     except (OSError, ValueError, KeyError, IndexError) as e:
         raise PeatError(f"{p} cannot be read ({e}); it is damaged: profile the run again into "
                         "a new directory") from None
+
+
+def unpack(packed: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The host copy of one step's `pack`ed statistics as `read_step` returns them: one array
+    per name of `STATISTICS` over the recorded sites in index order, and `sample`."""
+    floats, words = np.asarray(packed["floats"]), np.asarray(packed["words"])
+    return {"absmax": floats[:, 0], "mean": floats[:, 1], "rms": floats[:, 2],
+            "zeros": floats[:, 3], "nonfinite": words[:, 0].astype(np.int64),
+            "checksum": words[:, 1], "sample": np.asarray(packed["sample"])}
