@@ -13,7 +13,7 @@ import peat_jax as peat
 from peat_jax import cli, models
 from peat_jax.profiler.golden import profile, restore
 from peat_jax.profiler.rundir import RunDir
-from peat_jax.profiler.site_stats import read_sites, recorded_steps
+from peat_jax.profiler.site_stats import batch_stats, read_sites, recorded_steps, site_stats
 
 from conftest import bitwise_equal
 
@@ -170,3 +170,41 @@ def test_profile_cli_trains_with_a_fault_in_place(tmp_path, capsys):
     m = RunDir(run).manifest()
     assert m["stats_every"] == 2 and m["substitution"][0]["selector"] == "'bwd:dot_general'"
     assert recorded_steps(RunDir(run).site_stats) == [0]
+
+
+def _outputs():
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(s).astype(np.float32) for s in [(3,), (700,), (512,), (33, 65)]]
+    xs[1][5], xs[1][7], xs[1][9] = 0.0, np.nan, -np.inf
+    xs.append(np.zeros((40,), np.float32))
+    xs.append(rng.standard_normal(1000).astype(jax.numpy.bfloat16))
+    xs.append(rng.integers(-5, 5, (300,)).astype(np.int32))
+    xs.append(rng.standard_normal((1 << 16) + 3).astype(np.float32))  # reduced where it is
+    return [jax.numpy.asarray(x) for x in xs]
+
+
+@pytest.mark.slow
+def test_batched_statistics_are_each_outputs_own():
+    """`batch_stats` (one shared buffer for the small outputs) records what `site_stats` records
+    for each output alone: the same checksum, sample and counts, sums up to rounding."""
+    xs = _outputs()
+    batched, each = jax.device_get(jax.jit(lambda xs: (batch_stats(xs),
+                                                       [site_stats(x) for x in xs]))(xs))
+    offset = 0
+    for i, alone in enumerate(each):
+        m = len(alone.sample)
+        assert batched.checksum[i] == alone.checksum and batched.nonfinite[i] == alone.nonfinite
+        assert batched.zeros[i] == alone.zeros
+        np.testing.assert_array_equal(batched.sample[offset:offset + m], alone.sample)
+        for k in ("absmax", "mean", "rms"):  # NaN or inf alike where the output has either
+            b, a = getattr(batched, k)[i], getattr(alone, k)
+            if alone.nonfinite:
+                assert not np.isfinite(b) and not np.isfinite(a)
+            else:
+                np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+        offset += m
+    assert batched.nonfinite[1] == 2 and batched.zeros[4] == 1.0
+    flipped = xs[2].at[100].set(-xs[2][100])
+    moved = xs[2].at[jax.numpy.array([3, 4])].set(xs[2][jax.numpy.array([4, 3])])
+    sums = [int(jax.jit(batch_stats)([x]).checksum[0]) for x in (xs[2], flipped, moved)]
+    assert len(set(sums)) == 3  # a flipped sign bit and two swapped elements both change it
