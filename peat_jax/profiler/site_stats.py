@@ -52,8 +52,8 @@ from peat_jax.errors import PeatError
 from peat_jax.sites import Site, Traced, Tracer
 from peat_jax.substitute import Candidate, Substitution, fault_key, make_rules, resolve, run_rules
 
-__all__ = ["SAMPLE_SIZE", "STATISTICS", "SiteStats", "StatsSite", "StatsStep", "batch_stats", "describe_sites",
-           "pack", "read_sites", "read_step", "recorded_steps", "reduce_iterations",
+__all__ = ["ALONE", "BLOCK", "SAMPLE_SIZE", "STATISTICS", "SiteStats", "StatsSite", "StatsStep",
+           "batch_stats", "describe_sites", "pack", "read_sites", "read_step", "recorded_steps", "reduce_iterations",
            "sample_indices", "site_stats", "unpack", "write_sites", "write_step"]
 
 SAMPLE_SIZE = 64
@@ -196,30 +196,42 @@ def _row_sums(values: jax.Array, offsets: jax.Array):
 def batch_stats(xs: Sequence[jax.Array], size: int = SAMPLE_SIZE) -> SiteStats:
     """The `SiteStats` of each output in `xs` (non-empty arrays), stacked: every field [len(xs)]
     and `sample` the samples concatenated in order. Jittable, and a handful of kernels whatever
-    the number of outputs: the outputs are padded to whole blocks and concatenated (float32
-    outputs apart from the others, whose bit patterns need a buffer of their own), one pass
-    reduces each block, and a gather folds each output's blocks (the checksum exactly:
-    sum over i of bits_i (2 i + 1) = sum over blocks of S1 + 2 o S0, mod 2**32)."""
-    alone = [i for i, x in enumerate(xs) if x.size >= ALONE]
+    the number of outputs: outputs under `ALONE` elements are padded to whole blocks and
+    concatenated (float32 ones apart from the others, whose bit patterns need a buffer of their
+    own), five reductions go over the blocks and a gather folds each output's blocks (the
+    checksum exactly: each element is weighted by its index in its output); larger ones are
+    reduced where they are (`site_stats`)."""
     rest = [i for i, x in enumerate(xs) if x.size < ALONE]
     groups = [g for g in ([i for i in rest if xs[i].dtype == jnp.float32],
                           [i for i in rest if xs[i].dtype != jnp.float32]) if g]
-    stats = [_blocked_stats([xs[i] for i in g], size) for g in groups]
+    alone = [i for i, x in enumerate(xs) if x.size >= ALONE]
+    lengths = lambda idx: [len(sample_indices(xs[i].size, size)) for i in idx]  # noqa: E731
+    parts = [(g, lengths(g), _blocked_stats([xs[i] for i in g], size)) for g in groups]
     if alone:
-        one = [site_stats(xs[i], size) for i in alone]
-        stats.append(SiteStats(**{k: jnp.stack([getattr(r, k) for r in one]) for k in STATISTICS},
-                               sample=jnp.concatenate([r.sample for r in one])))
-        groups.append(alone)
-    if len(stats) == 1:
-        return stats[0]
-    flat = [i for g in groups for i in g]
-    order = np.argsort(flat, kind="stable")  # back to the order of xs
-    lengths = [len(sample_indices(xs[i].size, size)) for i in flat]
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    elements = np.concatenate([np.arange(starts[j], starts[j] + lengths[j]) for j in order])
-    return SiteStats(**{k: jnp.concatenate([getattr(g, k) for g in stats])[order]
+        parts.append((alone, lengths(alone), _stacked([site_stats(xs[i], size) for i in alone])))
+    return _in_order(parts)
+
+
+def _stacked(records: Sequence[SiteStats]) -> SiteStats:
+    """Scalar records as one: fields stacked, samples concatenated."""
+    return SiteStats(**{k: jnp.stack([getattr(r, k) for r in records]) for k in STATISTICS},
+                     sample=jnp.concatenate([r.sample for r in records]))
+
+
+def _in_order(parts: Sequence[tuple[list[int], list[int], SiteStats]]) -> SiteStats:
+    """Stacked records (each part: the positions it holds, their sample lengths, the record) as
+    one stacked record in position order (static gathers; none for a single part)."""
+    if len(parts) == 1:
+        return parts[0][2]
+    positions = [i for idx, _, _ in parts for i in idx]
+    lengths = [n for _, ns, _ in parts for n in ns]
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    order = np.argsort(positions, kind="stable")
+    elements = np.concatenate([np.arange(starts[j], starts[j] + lengths[j]) for j in order]
+                              + [np.zeros(0, np.int64)]).astype(np.int32)
+    return SiteStats(**{k: jnp.concatenate([getattr(r, k) for _, _, r in parts])[order]
                         for k in STATISTICS},
-                     sample=jnp.concatenate([g.sample for g in stats])[elements])
+                     sample=jnp.concatenate([r.sample for _, _, r in parts])[elements])
 
 
 def _blocked_stats(xs: Sequence[jax.Array], size: int) -> SiteStats:
@@ -393,30 +405,21 @@ def pack(sides: Sequence[Any], size: int = SAMPLE_SIZE) -> dict[str, jax.Array]:
     together (`batch_stats`), and three transfers to the host serve the whole step."""
     outputs = [i for i, x in enumerate(sides) if not isinstance(x, SiteStats)]
     reduced = [i for i, x in enumerate(sides) if isinstance(x, SiteStats)]
-    groups = []
+    parts = []
     if outputs:
-        groups.append(batch_stats([sides[i] for i in outputs], size))
+        parts.append((outputs, [len(sample_indices(sides[i].size, size)) for i in outputs],
+                      batch_stats([sides[i] for i in outputs], size)))
     if reduced:
-        groups.append(SiteStats(**{k: jnp.stack([getattr(sides[i], k) for i in reduced])
-                                   for k in STATISTICS},
-                                sample=jnp.concatenate([sides[i].sample for i in reduced])))
-    if not groups:
+        parts.append((reduced, [sides[i].sample.shape[0] for i in reduced],
+                      _stacked([sides[i] for i in reduced])))
+    if not parts:
         return {"floats": jnp.zeros((0, 4), jnp.float32), "words": jnp.zeros((0, 2), jnp.uint32),
                 "sample": jnp.zeros((0,), jnp.float32)}
-    lengths = [len(sample_indices(sides[i].size, size)) for i in outputs] + \
-              [sides[i].sample.shape[0] for i in reduced]
-    order = np.argsort(outputs + reduced, kind="stable")  # back to index order
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    elements = np.concatenate([np.arange(starts[j], starts[j] + lengths[j]) for j in order]
-                              + [np.zeros(0, np.int64)]).astype(np.int32)
-    floats = jnp.concatenate([jnp.stack([g.absmax, g.mean, g.rms, g.zeros], axis=1)
-                              .astype(jnp.float32) for g in groups])
-    words = jnp.concatenate([jnp.stack([g.nonfinite.astype(jnp.uint32),
-                                        g.checksum.astype(jnp.uint32)], axis=1) for g in groups])
-    sample = jnp.concatenate([g.sample.astype(jnp.float32) for g in groups])
-    if reduced and outputs:
-        floats, words, sample = floats[order], words[order], sample[elements]
-    return {"floats": floats, "words": words, "sample": sample}
+    r = _in_order(parts)
+    return {"floats": jnp.stack([r.absmax, r.mean, r.rms, r.zeros], axis=1).astype(jnp.float32),
+            "words": jnp.stack([r.nonfinite.astype(jnp.uint32), r.checksum.astype(jnp.uint32)],
+                               axis=1),
+            "sample": r.sample.astype(jnp.float32)}
 
 
 def _stats_rule(base, k: int, size: int, in_scan: bool):
