@@ -7,7 +7,8 @@
                [--kernel K | --fault F [--sites S]]
                                                the golden run (Orbax checkpoints, metrics, site
                                                statistics; a candidate in place for the run)
-  peat compare RUN_A RUN_B                     first step and site where two runs part ways
+  peat compare RUN_A RUN_B [--replay]          first step and site where two runs part ways
+                                               (--replay: that step replayed on this backend)
   peat playback RUN_DIR (--kernel K | --fault F) [--sites SEL] [--checkpoints C,...]
   peat runtime RUN_DIR (--kernel K | --fault F) (--every N [--offset O] | --at-steps S,... |
                --probability P) [--steps N]
@@ -466,7 +467,7 @@ def _diag_json(d) -> dict:
 
 def cmd_compare(args) -> int:
     from peat_jax.profiler.compare import save_comparison
-    c = peat.compare(args.run_a, args.run_b)
+    c = peat.compare(args.run_a, args.run_b, replay=args.replay)
     saved = save_comparison(c)
     peat.report.write_report(args.run_a)
     if args.json:
@@ -644,6 +645,10 @@ def build_parser() -> argparse.ArgumentParser:
     cp = sub.add_parser("compare", help="where two golden runs with site statistics part ways")
     cp.add_argument("run_a", help="the reference run directory")
     cp.add_argument("run_b", help="the run compared with it")
+    cp.add_argument("--replay", action="store_true",
+                    help="replay the diverging step from RUN_A's checkpoint on this backend and "
+                         "diagnose its site against RUN_B's recorded sample (RUN_A's workload "
+                         "must be registered)")
     common(cp)
     cp.set_defaults(func=cmd_compare)
 

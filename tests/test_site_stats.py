@@ -3,6 +3,7 @@ where two runs part ways. Real differences only: a fault or a kernel substituted
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -12,7 +13,7 @@ import peat_jax as peat
 from peat_jax import cli, models
 from peat_jax.profiler.golden import profile, restore
 from peat_jax.profiler.rundir import RunDir
-from peat_jax.profiler.site_stats import read_sites, recorded_steps
+from peat_jax.profiler.site_stats import batch_stats, read_sites, recorded_steps, site_stats
 
 from conftest import bitwise_equal
 
@@ -112,6 +113,42 @@ def test_compare_cli_json_and_report(runs, capsys):
     html = (runs["ref"] / "report.html").read_text()
     assert "Comparison with" in html and 'class="grid heat"' in html
     assert cli.main(["compare", str(runs["ref"]), str(runs["again"]), "--json"]) == 0
+    capsys.readouterr()
+    assert cli.main(["compare", str(runs["ref"]), str(runs["scaled"]), "--replay", "--json"]) == 1
+    replay = json.loads(capsys.readouterr().out)["replay"]
+    assert replay["site"] == out["first_site"] and replay["checkpoint"] == 0
+    assert replay["diagnosis"]["model"] == "wrong_scale" and replay["matches_a"]
+
+
+def test_replay_diagnoses_the_diverging_site_on_this_backend(runs):
+    site = _bwd_gemm(_wl())
+    c = peat.compare(runs["ref"], runs["scaled"], replay=True)
+    r = c.replay
+    assert (r.step, r.checkpoint, r.site) == (0, 0, c.first_site)
+    assert (r.site.index, r.site.phase) == (site.index, "bwd")
+    assert r.diagnosis.model == "wrong_scale" and not r.diagnosis.passed
+    assert r.matches_a and r.relative_difference_a == 0.0  # XLA:CPU reproduces run a bitwise
+    assert r.relative_difference == pytest.approx(0.5, rel=1e-3)
+    assert "replayed on cpu" in c.summary()
+    assert peat.compare(runs["ref"], runs["again"], replay=True).replay is None
+
+
+def test_replay_needs_a_checkpoint_before_the_step(runs, tmp_path):
+    ref, scaled = tmp_path / "ref", tmp_path / "scaled"
+    shutil.copytree(runs["ref"], ref)
+    shutil.copytree(runs["scaled"], scaled)
+    shutil.rmtree(RunDir(ref).checkpoints / "0")
+    with pytest.raises(peat.PeatError, match=r"no checkpoint at or before step 0.*\[3\]"):
+        peat.compare(ref, scaled, replay=True)
+    with pytest.raises(peat.PeatError, match="substitution"):
+        peat.compare(runs["scaled"], runs["ref"], replay=True)
+
+
+def test_replay_takes_the_workload_object(runs):
+    with pytest.raises(peat.PeatError, match=r"workload='other'"):
+        peat.compare(runs["ref"], runs["scaled"], replay=True, workload=_wl()._replace(name="other"))
+    r = peat.compare(runs["ref"], runs["scaled"], replay=True, workload=_wl()).replay
+    assert r.diagnosis.model == "wrong_scale" and r.matches_a
 
 
 def test_profile_rejects_a_bad_stats_interval(tmp_path):
@@ -133,3 +170,41 @@ def test_profile_cli_trains_with_a_fault_in_place(tmp_path, capsys):
     m = RunDir(run).manifest()
     assert m["stats_every"] == 2 and m["substitution"][0]["selector"] == "'bwd:dot_general'"
     assert recorded_steps(RunDir(run).site_stats) == [0]
+
+
+def _outputs():
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(s).astype(np.float32) for s in [(3,), (700,), (512,), (33, 65)]]
+    xs[1][5], xs[1][7], xs[1][9] = 0.0, np.nan, -np.inf
+    xs.append(np.zeros((40,), np.float32))
+    xs.append(rng.standard_normal(1000).astype(jax.numpy.bfloat16))
+    xs.append(rng.integers(-5, 5, (300,)).astype(np.int32))
+    xs.append(rng.standard_normal((1 << 16) + 3).astype(np.float32))  # reduced where it is
+    return [jax.numpy.asarray(x) for x in xs]
+
+
+@pytest.mark.slow
+def test_batched_statistics_are_each_outputs_own():
+    """`batch_stats` (one shared buffer for the small outputs) records what `site_stats` records
+    for each output alone: the same checksum, sample and counts, sums up to rounding."""
+    xs = _outputs()
+    batched, each = jax.device_get(jax.jit(lambda xs: (batch_stats(xs),
+                                                       [site_stats(x) for x in xs]))(xs))
+    offset = 0
+    for i, alone in enumerate(each):
+        m = len(alone.sample)
+        assert batched.checksum[i] == alone.checksum and batched.nonfinite[i] == alone.nonfinite
+        assert batched.zeros[i] == alone.zeros
+        np.testing.assert_array_equal(batched.sample[offset:offset + m], alone.sample)
+        for k in ("absmax", "mean", "rms"):  # NaN or inf alike where the output has either
+            b, a = getattr(batched, k)[i], getattr(alone, k)
+            if alone.nonfinite:
+                assert not np.isfinite(b) and not np.isfinite(a)
+            else:
+                np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+        offset += m
+    assert batched.nonfinite[1] == 2 and batched.zeros[4] == 1.0
+    flipped = xs[2].at[100].set(-xs[2][100])
+    moved = xs[2].at[jax.numpy.array([3, 4])].set(xs[2][jax.numpy.array([4, 3])])
+    sums = [int(jax.jit(batch_stats)([x]).checksum[0]) for x in (xs[2], flipped, moved)]
+    assert len(set(sums)) == 3  # a flipped sign bit and two swapped elements both change it

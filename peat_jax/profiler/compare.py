@@ -24,15 +24,22 @@ import math
 import re
 from typing import Any, NamedTuple, Optional
 
+import jax
 import numpy as np
 
 from peat_jax.detector import Diagnosis
 from peat_jax.errors import PeatError
-from peat_jax.profiler.rundir import PathLike, RunDir, atomic_write_json
-from peat_jax.profiler.site_stats import STATISTICS, StatsSite, read_sites, read_step, recorded_steps
+from peat_jax.precision import at_matmul_precision
+from peat_jax.profiler.golden import available_checkpoints, load_workload, restore
+from peat_jax.profiler.hostio import quiet, to_device
+from peat_jax.profiler.rundir import PathLike, RunDir, atomic_write_json, recorded_precision
+from peat_jax.profiler.site_stats import (STATISTICS, StatsSite, StatsStep, read_sites,
+                                          read_step, recorded_steps, unpack)
+from peat_jax.profiler.workload import Workload
 
-__all__ = ["PROPAGATED_RTOL", "Comparison", "EnvironmentRow", "Finding", "RunComparison",
-           "compare", "compare_runs", "read_comparisons", "save_comparison"]
+__all__ = ["PROPAGATED_RTOL", "Comparison", "EnvironmentRow", "Finding", "ReplayFinding",
+           "RunComparison", "compare", "compare_runs", "read_comparisons", "replay_divergence",
+           "save_comparison"]
 
 PROPAGATED_RTOL = 1e-3
 """Relative RMS difference of a site's sample above which a difference downstream of the first
@@ -167,6 +174,50 @@ class EnvironmentRow(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class ReplayFinding:
+    """The divergence's step replayed on this backend from run a's checkpoint, its site's output
+    diagnosed against run b's recorded sample (`peat.compare(..., replay=True)`).
+
+    Attributes:
+      step: the divergence's step.
+      site: the divergence's site.
+      checkpoint: run a's checkpoint restored (the state before that step); the steps from it
+        up to `step` were re-run here with the plain step.
+      backend: this backend and device kind ("cpu (cpu)").
+      diagnosis: the Detector's verdict on run b's recorded statistics of the site against the
+        replay's (its sample where they differ, as `compare` does between the two runs).
+      relative_difference: run b's against the replay's, as `Finding.relative_difference`.
+      matches_a: whether the replay's statistics of the site are bitwise run a's recorded ones
+        (False when this backend, jax release or flags differ from run a's).
+      relative_difference_a: the replay's against run a's (0.0 when `matches_a`).
+    """
+
+    step: int
+    site: StatsSite
+    checkpoint: int
+    backend: str
+    diagnosis: Diagnosis
+    relative_difference: float
+    matches_a: bool
+    relative_difference_a: float
+
+    def summary(self) -> str:
+        """One line."""
+        a = "bitwise run a's" if self.matches_a else (
+            f"not run a's (relative difference {self.relative_difference_a:.2g})")
+        return (f"replayed on {self.backend} from checkpoint {self.checkpoint}: step {self.step}, "
+                f"site {self.site.label()} vs run b: {self.diagnosis.summary}; the replay is {a}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "site": _site_dict(self.site), "checkpoint": self.checkpoint,
+                "backend": self.backend, "diagnosis": _diagnosis_dict(self.diagnosis),
+                "relative_difference": _finite_or_none(self.relative_difference),
+                "matches_a": self.matches_a,
+                "relative_difference_a": _finite_or_none(self.relative_difference_a),
+                "summary": self.summary()}
+
+
+@dataclasses.dataclass(frozen=True)
 class Comparison:
     """Where two golden runs with site statistics part ways (`peat.compare`).
 
@@ -180,6 +231,8 @@ class Comparison:
       environments: the two manifests' backend, device, versions and environment side by side.
       grid: per recorded site (rows, as `sites`) and step (columns, as `steps`), the relative
         difference (0.0: bitwise equal; inf: the non-finite counts differ).
+      replay: with `compare(..., replay=True)` and a divergence, the divergence replayed on this
+        backend (`ReplayFinding`); None otherwise.
     """
 
     run_a: str
@@ -190,6 +243,7 @@ class Comparison:
     first_difference: Optional[Finding]
     environments: tuple[EnvironmentRow, ...]
     grid: tuple[tuple[float, ...], ...]
+    replay: Optional[ReplayFinding] = None
 
     @property
     def first_step(self) -> Optional[int]:
@@ -219,12 +273,13 @@ class Comparison:
             return (f"no divergence beyond noise ({n}); {where}: {first.diagnosis.model}")
         d = self.divergence
         line = f"step {d.step}, site {d.site.label()}: {d.diagnosis.summary}"
-        return line if d is first else f"{line}\n{where}: {first.diagnosis.model}"
+        lines = [line] if d is first else [line, f"{where}: {first.diagnosis.model}"]
+        return "\n".join(lines + ([self.replay.summary()] if self.replay else []))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: `first_step`, `first_site` (index, primitive, phase, path), `diagnosis`,
         `first_difference`, `environments`, `steps`, `sites`, `grid` (null for a non-finite
-        difference), `summary`."""
+        difference), `replay` (null without one), `summary`."""
         return {"run_a": self.run_a, "run_b": self.run_b, "first_step": self.first_step,
                 "first_site": None if self.first_site is None else _site_dict(self.first_site),
                 "diagnosis": None if self.diagnosis is None else _diagnosis_dict(self.diagnosis),
@@ -234,6 +289,7 @@ class Comparison:
                 "environments": [r._asdict() for r in self.environments],
                 "steps": list(self.steps), "sites": [_site_dict(s) for s in self.sites],
                 "grid": [[_finite_or_none(v) for v in row] for row in self.grid],
+                "replay": None if self.replay is None else self.replay.to_dict(),
                 "summary": self.summary()}
 
 
@@ -285,22 +341,37 @@ def _same_sites(ra: RunDir, rb: RunDir) -> list[StatsSite]:
     return sa
 
 
-def compare(run_a: PathLike, run_b: PathLike) -> Comparison:
+def compare(run_a: PathLike, run_b: PathLike, *, replay: bool = False,
+            workload: Optional[Workload] = None) -> Comparison:
     """Where golden run `run_b` departs from golden run `run_a` (the reference), from their
     recorded site statistics (both profiled with `stats_every`; same workload, config and seed;
     backend, device, versions, flags, precision or a substitution may differ).
 
     Walks the statistics steps both runs recorded, and in each the sites in program order; the
     first (step, site) whose difference is beyond noise (see the module docstring) is the
-    divergence, diagnosed by the Detector on the two recorded samples. Reads only the two run
-    directories: no workload is rebuilt.
+    divergence, diagnosed by the Detector on the two recorded samples. Without `replay` it reads
+    only the two run directories: no workload is rebuilt.
+
+    Args:
+      replay: also replay the divergence on this backend (`replay_divergence`): run a's
+        workload is rebuilt (or `workload` used), so this needs a registered workload or the
+        object itself. Nothing is replayed when nothing diverges.
+      workload: with `replay`, run a's workload object (default: rebuilt from its manifest).
 
     Returns:
-      A `Comparison`.
+      A `Comparison` (its `replay` set when replayed).
 
     Raises:
-      PeatError: runs of different workloads, no common statistics step, different sites.
+      PeatError: runs of different workloads, no common statistics step, different sites; with
+        `replay`, see `replay_divergence`.
     """
+    found = _compare(run_a, run_b)
+    if not replay or found.divergence is None:
+        return found
+    return dataclasses.replace(found, replay=replay_divergence(found, workload=workload))
+
+
+def _compare(run_a: PathLike, run_b: PathLike) -> Comparison:
     ra, rb = RunDir(run_a), RunDir(run_b)
     ma, mb = _same_workload(ra, rb)
     sites = [s for s in _same_sites(ra, rb) if s.recorded]
@@ -328,6 +399,68 @@ def compare(run_a: PathLike, run_b: PathLike) -> Comparison:
                       sites=tuple(sites), divergence=divergence, first_difference=first,
                       environments=environments(ma, mb),
                       grid=tuple(tuple(float(v) for v in r) for r in grid))
+
+
+def replay_divergence(comparison: Comparison, *,
+                      workload: Optional[Workload] = None) -> Optional[ReplayFinding]:
+    """Replay the step of `comparison`'s divergence on this backend and diagnose its site there
+    against run b's recorded statistics.
+
+    Restores run a's latest checkpoint at or before the divergence's step, re-runs the plain
+    steps up to it, and runs that step with site statistics (the same fixed-index samples the
+    golden runs recorded), at the matmul precision run a trained at.
+
+    Returns:
+      The `ReplayFinding`, or None when `comparison` has no divergence (nothing to replay).
+
+    Raises:
+      PeatError: run a has no checkpoint at or before that step, its workload cannot be rebuilt
+        (pass `workload=`), it trained with a substitution (the manifest names the candidate
+        but cannot rebuild it), or the rebuilt workload traces other sites than were recorded.
+    """
+    d = comparison.divergence
+    if d is None:
+        return None
+    ra, rb = RunDir(comparison.run_a), RunDir(comparison.run_b)
+    manifest = ra.manifest()
+    if manifest.get("substitution"):
+        raise PeatError(f"run a ({ra.path}) trained with a substitution, which its manifest names "
+                        "but cannot rebuild; replay with the reference run (no substitution) "
+                        "as run a")
+    wl = load_workload(manifest, workload)
+    checkpoints = available_checkpoints(ra)
+    before = [c for c in checkpoints if c <= d.step]
+    if not before:
+        raise PeatError(f"run a ({ra.path}) has no checkpoint at or before step {d.step} to "
+                        f"replay from (its checkpoints: {checkpoints or 'none'}); profile it "
+                        "again with a checkpoint_every that puts one there, or compare without "
+                        "replay")
+    start = max(before)
+    with quiet(), at_matmul_precision(recorded_precision(manifest)):
+        stepper = StatsStep(wl.train_step)
+        state = restore(ra.path, start, workload=wl)
+        for i in range(start, d.step):
+            state, _ = stepper.plain(state, to_device(wl.batch(i)))
+        batch = to_device(wl.batch(d.step))
+        _check_same_sites(ra, comparison.sites, stepper.sites(state, batch))
+        replayed = unpack(jax.device_get(stepper.with_stats(state, batch)[2]))
+    row = comparison.sites.index(d.site)
+    a, b = read_step(ra.site_stats, d.step), read_step(rb.site_stats, d.step)
+    same_b, rel_b = _difference(d.site, row, replayed, b)
+    same_a, rel_a = _difference(d.site, row, a, replayed)
+    diagnosis = (_diagnose(d.site, row, replayed, b, rel_b) if not same_b else
+                 Diagnosis(model="exact", passed=True, confidence=1.0, evidence={"bitwise": True},
+                           summary="passes: exact, run b's statistics are bitwise the replay's"))
+    backend = f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
+    return ReplayFinding(step=d.step, site=d.site, checkpoint=start, backend=backend,
+                         diagnosis=diagnosis, relative_difference=rel_b, matches_a=same_a,
+                         relative_difference_a=rel_a)
+
+
+def _check_same_sites(ra: RunDir, recorded: tuple[StatsSite, ...], traced: list) -> None:
+    if [s for s in traced if s.recorded] != list(recorded):
+        raise PeatError(f"the workload rebuilt for {ra.path} traces other sites than the run "
+                        "recorded: pass the workload the run was profiled with (workload=)")
 
 
 def _sample(site: StatsSite, arrays: dict) -> np.ndarray:

@@ -17,6 +17,10 @@ without one), a small `SiteStats` record, on the device, inside the one jitted s
   sample     the values at `sample_indices(n)`: up to `SAMPLE_SIZE` evenly spaced flat indices,
              the same at every step (float32)
 
+The outputs of the sites outside any `scan` are carried to the end of the step and reduced
+together (`batch_stats`: the small ones padded into one buffer of `BLOCK`-element blocks, so the
+statistics of a step take a handful of kernels, not several per site); the checksum and sample are
+bitwise what `site_stats` gives for each output alone, the sums equal up to float32 rounding.
 Inside a `scan` a site runs once per iteration; its record is reduced over the iterations:
 `nonfinite` summed, `absmax` the maximum, `mean` and `zeros` the mean over iterations, `rms` the
 root of the mean square, `checksum` the iterations' checksums combined with odd weights
@@ -48,9 +52,9 @@ from peat_jax.errors import PeatError
 from peat_jax.sites import Site, Traced, Tracer
 from peat_jax.substitute import Candidate, Substitution, fault_key, make_rules, resolve, run_rules
 
-__all__ = ["SAMPLE_SIZE", "STATISTICS", "SiteStats", "StatsSite", "StatsStep", "describe_sites",
-           "pack", "read_sites", "read_step", "recorded_steps", "reduce_iterations",
-           "sample_indices", "site_stats", "write_sites", "write_step"]
+__all__ = ["ALONE", "BLOCK", "SAMPLE_SIZE", "STATISTICS", "SiteStats", "StatsSite", "StatsStep",
+           "batch_stats", "describe_sites", "pack", "read_sites", "read_step", "recorded_steps", "reduce_iterations",
+           "sample_indices", "site_stats", "unpack", "write_sites", "write_step"]
 
 SAMPLE_SIZE = 64
 """Elements of each site output kept as its fixed-index sample (fewer for smaller outputs)."""
@@ -137,10 +141,139 @@ def _bits32(flat: jax.Array) -> jax.Array:
     return u.astype(jnp.uint32)
 
 
+BLOCK = 512
+"""Elements per block of `batch_stats` (each output padded to a multiple of it)."""
+
+ALONE = 1 << 16
+"""Outputs with at least this many elements (a whole number of blocks) are reduced where they
+are, not copied into `batch_stats`' shared buffer: for them the copy costs more than the
+kernels it saves."""
+
+
+class _Layout(NamedTuple):
+    """Where `batch_stats` puts each output in its padded, concatenated [blocks, BLOCK] buffer
+    (static: numpy arrays, fixed by the output sizes)."""
+
+    sizes: np.ndarray        # int64 [S]: elements per output
+    pads: np.ndarray         # int32 [S]: zeros appended to each
+    first_block: np.ndarray  # int64 [S]: each output's first block
+    offsets: np.ndarray      # uint32 [blocks]: each block's first element, within its output
+    fold: np.ndarray         # int32 [S, max blocks]: each output's blocks (`blocks`: padding)
+    sample: np.ndarray       # int32 [sum m_i]: the samples' flat indices in the buffer
+
+
+def _layout(sizes: Sequence[int], size: int) -> _Layout:
+    n = np.asarray(sizes, np.int64)
+    blocks = -(-n // BLOCK)
+    first = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
+    total = int(blocks.sum())
+    fold = np.full((len(n), int(blocks.max())), total, np.int32)
+    offsets = np.zeros(total, np.uint32)
+    for i, (f, b) in enumerate(zip(first, blocks)):
+        fold[i, :b] = np.arange(f, f + b)
+        offsets[f:f + b] = np.arange(b, dtype=np.uint32) * np.uint32(BLOCK)
+    sample = np.concatenate([f * BLOCK + sample_indices(k, size) for f, k in zip(first, n)])
+    return _Layout(sizes=n, pads=(blocks * BLOCK - n).astype(np.int32), first_block=first,
+                   offsets=offsets, fold=fold, sample=sample.astype(np.int32))
+
+
+_NONFINITE = 4096.0  # > BLOCK: a block's zero and non-finite counts share one exact float32 sum
+
+
+def _row_sums(values: jax.Array, offsets: jax.Array):
+    """Per block of [blocks, BLOCK]: sum, sum of squares, abs-max, zero and non-finite counts,
+    and sum of bit patterns times (2 i + 1), i the element's index in its output (`offsets`:
+    each block's first). Five plain reductions: XLA:CPU vectorises each, not a variadic one."""
+    bits = lax.bitcast_convert_type(values, jnp.uint32)
+    i = lax.broadcasted_iota(jnp.uint32, values.shape, 1) + offsets[:, None]
+    counts = jnp.sum(jnp.where(values == 0, 1.0, 0.0)
+                     + jnp.where(jnp.isfinite(values), 0.0, _NONFINITE), axis=1)
+    return (jnp.sum(values, axis=1), jnp.sum(values * values, axis=1),
+            jnp.max(jnp.abs(values), axis=1), counts,
+            jnp.sum(bits * (i * jnp.uint32(2) + jnp.uint32(1)), axis=1, dtype=jnp.uint32))
+
+
+def batch_stats(xs: Sequence[jax.Array], size: int = SAMPLE_SIZE) -> SiteStats:
+    """The `SiteStats` of each output in `xs` (non-empty arrays), stacked: every field [len(xs)]
+    and `sample` the samples concatenated in order. Jittable, and a handful of kernels whatever
+    the number of outputs: outputs under `ALONE` elements are padded to whole blocks and
+    concatenated (float32 ones apart from the others, whose bit patterns need a buffer of their
+    own), five reductions go over the blocks and a gather folds each output's blocks (the
+    checksum exactly: each element is weighted by its index in its output); larger ones are
+    reduced where they are (`site_stats`)."""
+    rest = [i for i, x in enumerate(xs) if x.size < ALONE]
+    groups = [g for g in ([i for i in rest if xs[i].dtype == jnp.float32],
+                          [i for i in rest if xs[i].dtype != jnp.float32]) if g]
+    alone = [i for i, x in enumerate(xs) if x.size >= ALONE]
+    lengths = lambda idx: [len(sample_indices(xs[i].size, size)) for i in idx]  # noqa: E731
+    parts = [(g, lengths(g), _blocked_stats([xs[i] for i in g], size)) for g in groups]
+    if alone:
+        parts.append((alone, lengths(alone), _stacked([site_stats(xs[i], size) for i in alone])))
+    return _in_order(parts)
+
+
+def _stacked(records: Sequence[SiteStats]) -> SiteStats:
+    """Scalar records as one: fields stacked, samples concatenated."""
+    return SiteStats(**{k: jnp.stack([getattr(r, k) for r in records]) for k in STATISTICS},
+                     sample=jnp.concatenate([r.sample for r in records]))
+
+
+def _in_order(parts: Sequence[tuple[list[int], list[int], SiteStats]]) -> SiteStats:
+    """Stacked records (each part: the positions it holds, their sample lengths, the record) as
+    one stacked record in position order (static gathers; none for a single part)."""
+    if len(parts) == 1:
+        return parts[0][2]
+    positions = [i for idx, _, _ in parts for i in idx]
+    lengths = [n for _, ns, _ in parts for n in ns]
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    order = np.argsort(positions, kind="stable")
+    elements = np.concatenate([np.arange(starts[j], starts[j] + lengths[j]) for j in order]
+                              + [np.zeros(0, np.int64)]).astype(np.int32)
+    return SiteStats(**{k: jnp.concatenate([getattr(r, k) for _, _, r in parts])[order]
+                        for k in STATISTICS},
+                     sample=jnp.concatenate([r.sample for _, _, r in parts])[elements])
+
+
+def _blocked_stats(xs: Sequence[jax.Array], size: int) -> SiteStats:
+    """`batch_stats` of outputs that are all float32, or none of them."""
+    L = _layout([x.size for x in xs], size)
+    flats = [x.reshape(-1) for x in xs]
+
+    def buffer(parts, dtype):
+        # zeros as concatenate operands (not jnp.pad): XLA makes one fusion of it
+        pieces = []
+        for p, k in zip(parts, L.pads):
+            pieces += [p, jnp.zeros((int(k),), dtype)] if k else [p]
+        return jnp.concatenate(pieces).reshape(-1, BLOCK)
+
+    values = buffer([f.astype(jnp.float32) for f in flats], jnp.float32)
+    s, q, m, c, checksum = _row_sums(values, jnp.asarray(L.offsets))
+    if xs[0].dtype != jnp.float32:  # the bit patterns of the output's own dtype
+        bits = buffer([_bits32(f) for f in flats], jnp.uint32)
+        i = lax.broadcasted_iota(jnp.uint32, bits.shape, 1) + jnp.asarray(L.offsets)[:, None]
+        checksum = jnp.sum(bits * (i * jnp.uint32(2) + jnp.uint32(1)), axis=1, dtype=jnp.uint32)
+    nf = jnp.floor(c / _NONFINITE)
+    z = c - nf * _NONFINITE
+    fold = jnp.asarray(L.fold)
+
+    def per_output(partial, reduce):
+        return reduce(jnp.concatenate([partial, jnp.zeros((1,), partial.dtype)])[fold], axis=1)
+
+    n = jnp.asarray(L.sizes, jnp.float32)
+    return SiteStats(nonfinite=per_output(nf.astype(jnp.int32), jnp.sum),
+                     absmax=per_output(m, jnp.max),
+                     mean=per_output(s, jnp.sum) / n, rms=jnp.sqrt(per_output(q, jnp.sum) / n),
+                     zeros=(per_output(z.astype(jnp.int32), jnp.sum)
+                            - jnp.asarray(L.pads)).astype(jnp.float32) / n,
+                     checksum=per_output(checksum, jnp.sum).astype(jnp.uint32),
+                     sample=values.reshape(-1)[jnp.asarray(L.sample)])
+
+
 def site_stats(x: jax.Array, size: int = SAMPLE_SIZE) -> SiteStats:
-    """The `SiteStats` of one output `x` (jittable). Four passes over `x` that XLA fuses (sum,
-    sum of squares, abs-max and zeros, checksum); the non-finite count takes a fifth pass only
-    when the sums are not finite."""
+    """The `SiteStats` of one output `x` (jittable), computed where it is (no copy): what a site
+    inside a `scan` records per iteration. Four reductions over `x` (sum, sum of squares,
+    abs-max and zeros, checksum); the non-finite count takes a fifth only when the sums are not
+    finite."""
     flat = x.reshape(-1)
     n = flat.size
     v = flat.astype(jnp.float32)
@@ -257,38 +390,57 @@ class StatsStep:
         traced, chosen = self.traced(state, batch)
         base = make_rules(traced, chosen, lambda site: None, fault_key)
         rules = dict(base)
-        for s in traced.sites:
-            k = _recorded_output(s)
-            if k is not None:
-                rules[s.index] = _stats_rule(base.get(s.index), k, self._size)
+        recorded = [s for s in traced.sites if _recorded_output(s) is not None]
+        for s in recorded:
+            rules[s.index] = _stats_rule(base.get(s.index), _recorded_output(s), self._size,
+                                         in_scan="scan" in s.scope)
         (state, metrics), sides = run_rules(traced, rules, (state, batch), {}, with_sides=True)
-        return state, metrics, pack([sides[s.index] for s in traced.sites if s.index in sides])
+        return state, metrics, pack([sides[s.index] for s in recorded if s.index in sides],
+                                    self._size)
 
 
-def pack(records: Sequence[SiteStats]) -> dict[str, jax.Array]:
-    """One step's records (recorded sites in index order) as the three arrays of a step file:
-    `floats` float32 [S, 4] (absmax, mean, rms, zeros), `words` uint32 [S, 2] (nonfinite,
-    checksum) and `sample` float32 (the samples concatenated). Jittable: three transfers to the
-    host instead of seven per site."""
-    if not records:
+def pack(sides: Sequence[Any], size: int = SAMPLE_SIZE) -> dict[str, jax.Array]:
+    """One step's records (recorded sites in index order: a site's output itself, or the
+    `SiteStats` reduced over a scan's iterations) as the three arrays of a step file: `floats`
+    float32 [S, 4] (absmax, mean, rms, zeros), `words` uint32 [S, 2] (nonfinite, checksum) and
+    `sample` float32 (the samples concatenated). Jittable; the outputs' statistics are computed
+    together (`batch_stats`), and three transfers to the host serve the whole step."""
+    outputs = [i for i, x in enumerate(sides) if not isinstance(x, SiteStats)]
+    reduced = [i for i, x in enumerate(sides) if isinstance(x, SiteStats)]
+    parts = []
+    if outputs:
+        parts.append((outputs, [len(sample_indices(sides[i].size, size)) for i in outputs],
+                      batch_stats([sides[i] for i in outputs], size)))
+    if reduced:
+        parts.append((reduced, [sides[i].sample.shape[0] for i in reduced],
+                      _stacked([sides[i] for i in reduced])))
+    if not parts:
         return {"floats": jnp.zeros((0, 4), jnp.float32), "words": jnp.zeros((0, 2), jnp.uint32),
                 "sample": jnp.zeros((0,), jnp.float32)}
-    floats = jnp.stack([jnp.stack([r.absmax, r.mean, r.rms, r.zeros]).astype(jnp.float32)
-                        for r in records])
-    words = jnp.stack([jnp.stack([r.nonfinite.astype(jnp.uint32), r.checksum])
-                       for r in records])
-    return {"floats": floats, "words": words,
-            "sample": jnp.concatenate([r.sample.astype(jnp.float32) for r in records])}
+    r = _in_order(parts)
+    return {"floats": jnp.stack([r.absmax, r.mean, r.rms, r.zeros], axis=1).astype(jnp.float32),
+            "words": jnp.stack([r.nonfinite.astype(jnp.uint32), r.checksum.astype(jnp.uint32)],
+                               axis=1),
+            "sample": r.sample.astype(jnp.float32)}
 
 
-def _stats_rule(base, k: int, size: int):
+def _stats_rule(base, k: int, size: int, in_scan: bool):
     """A rule that computes the site's outputs as `base` does (the reference op when None) and
-    returns its output `k`'s `SiteStats` as the side."""
+    returns as the side its output `k` (its statistics are computed with every other site's
+    at the end of the step, `pack`), or inside a `scan` that output's `SiteStats`, reduced over
+    the iterations (an output per iteration would be stacked: a dump)."""
     def rule(op, invals, reference):
         outs = list(base(op, invals, reference) if base is not None else reference(*invals))
-        return _ip.WithSide(outs, site_stats(outs[k], size), reduce_iterations)
+        if in_scan:
+            return _ip.WithSide(outs, site_stats(outs[k], size), reduce_iterations)
+        return _ip.WithSide(outs, outs[k], _outside_scans)
 
     return rule
+
+
+def _outside_scans(stacked):
+    raise PeatError("a site output outside any scan came out stacked over iterations; please "
+                    "report it (site statistics)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,10 +495,16 @@ def read_step(directory, step: int) -> dict[str, np.ndarray]:
     p = directory / f"{int(step)}.npz"
     try:
         with np.load(p, allow_pickle=False) as z:
-            floats, words, sample = z["floats"], z["words"], z["sample"]
-        return {"absmax": floats[:, 0], "mean": floats[:, 1], "rms": floats[:, 2],
-                "zeros": floats[:, 3], "nonfinite": words[:, 0].astype(np.int64),
-                "checksum": words[:, 1], "sample": sample}
+            return unpack({k: z[k] for k in ("floats", "words", "sample")})
     except (OSError, ValueError, KeyError, IndexError) as e:
         raise PeatError(f"{p} cannot be read ({e}); it is damaged: profile the run again into "
                         "a new directory") from None
+
+
+def unpack(packed: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The host copy of one step's `pack`ed statistics as `read_step` returns them: one array
+    per name of `STATISTICS` over the recorded sites in index order, and `sample`."""
+    floats, words = np.asarray(packed["floats"]), np.asarray(packed["words"])
+    return {"absmax": floats[:, 0], "mean": floats[:, 1], "rms": floats[:, 2],
+            "zeros": floats[:, 3], "nonfinite": words[:, 0].astype(np.int64),
+            "checksum": words[:, 1], "sample": np.asarray(packed["sample"])}
