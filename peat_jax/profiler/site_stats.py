@@ -393,7 +393,7 @@ class StatsStep:
         recorded = [s for s in traced.sites if _recorded_output(s) is not None]
         for s in recorded:
             rules[s.index] = _stats_rule(base.get(s.index), _recorded_output(s), self._size,
-                                         in_scan="scan" in s.scope)
+                                         mapped=bool({"scan", "shard_map"} & set(s.scope)))
         (state, metrics), sides = run_rules(traced, rules, (state, batch), {}, with_sides=True)
         return state, metrics, pack([sides[s.index] for s in recorded if s.index in sides],
                                     self._size)
@@ -424,14 +424,15 @@ def pack(sides: Sequence[Any], size: int = SAMPLE_SIZE) -> dict[str, jax.Array]:
             "sample": r.sample.astype(jnp.float32)}
 
 
-def _stats_rule(base, k: int, size: int, in_scan: bool):
+def _stats_rule(base, k: int, size: int, mapped: bool):
     """A rule that computes the site's outputs as `base` does (the reference op when None) and
     returns as the side its output `k` (its statistics are computed with every other site's
-    at the end of the step, `pack`), or inside a `scan` that output's `SiteStats`, reduced over
-    the iterations (an output per iteration would be stacked: a dump)."""
+    at the end of the step, `pack`), or, `mapped` (inside a `scan` or a `shard_map` body), that
+    output's `SiteStats`, reduced over the iterations or shards (an output per iteration would
+    be stacked: a dump)."""
     def rule(op, invals, reference):
         outs = list(base(op, invals, reference) if base is not None else reference(*invals))
-        if in_scan:
+        if mapped:
             return _ip.WithSide(outs, site_stats(outs[k], size), reduce_iterations)
         return _ip.WithSide(outs, outs[k], _outside_scans)
 
@@ -439,7 +440,7 @@ def _stats_rule(base, k: int, size: int, in_scan: bool):
 
 
 def _outside_scans(stacked):
-    raise PeatError("a site output outside any scan came out stacked over iterations; please "
+    raise PeatError("a site output outside any scan or shard_map came out stacked; please "
                     "report it (site statistics)")
 
 
