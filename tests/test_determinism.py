@@ -114,8 +114,11 @@ def test_playback_reports_a_nondeterministic_reference_and_does_not_blame_the_ca
     assert recs and all(r["local"]["model"] == "exact" for r in recs)
     assert all(r["effect"]["model"] == "masked" for r in recs), [r["effect"]["summary"] for r in recs]
     # the candidate's changes are within the reference's own: its spread is what excused them
-    assert all(r["effect"]["reference_spread"] > 0 and "run-to-run" in r["effect"]["summary"]
-               for r in recs if r["effect"]["noise_ratio"] > 0), [r["effect"] for r in recs]
+    # (a leaf the reference does not spread on may still move within the dtype's rounding)
+    effects = [r["effect"] for r in recs]
+    spread = [e for e in effects if e["reference_spread"] > 0 and e["noise_ratio"] > 0]
+    assert spread and all("run-to-run" in e["summary"] for e in spread), effects
+    assert all(e["change"] <= e["noise"] for e in effects), effects
     # a real bug at one site is still blamed
     bad = playback(tmp_path / "run", {"fwd:dot_general": peat.faults.scale(1.5)}, workload=wl,
                    name="bad", checkpoints=[3])
