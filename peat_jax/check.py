@@ -156,14 +156,15 @@ def _has_float(tree) -> bool:
                for x in jax.tree_util.tree_leaves(tree))
 
 
-def _cotangent(out, key):
+def _cotangent(out, rng: np.random.Generator):
+    """A standard normal cotangent for each float leaf of `out` (zeros of float0 for others),
+    drawn on the host: a jax draw would compile once per new shape."""
     leaves, treedef = jax.tree_util.tree_flatten(out)
-    keys = jax.random.split(key, max(len(leaves), 1))
     cts = []
-    for x, k in zip(leaves, keys):
+    for x in leaves:
         dt = jnp.result_type(x)
         if jnp.issubdtype(dt, jnp.floating):
-            cts.append(jax.random.normal(k, jnp.shape(x), jnp.float32).astype(dt))
+            cts.append(jnp.asarray(rng.standard_normal(jnp.shape(x), np.float32).astype(dt)))
         else:
             cts.append(np.zeros(jnp.shape(x), jax.dtypes.float0))
     return jax.tree_util.tree_unflatten(treedef, cts)
@@ -295,7 +296,8 @@ def _gradients(fn, args, positions, ct, what: str) -> dict[str, Any]:
     return dict(zip(_grad_names(positions), grads))
 
 
-def _run(candidate, reference, variant: str, args, positions, key) -> Union[_Run, str]:
+def _run(candidate, reference, variant: str, args, positions,
+         rng: np.random.Generator) -> Union[_Run, str]:
     """Both callables on one variant's inputs, forward and (for float outputs) backward under
     one random cotangent; or the reason the variant is skipped (see `_forwards`)."""
     got = _forwards(candidate, reference, variant, args)
@@ -306,7 +308,7 @@ def _run(candidate, reference, variant: str, args, positions, key) -> Union[_Run
         raise PeatError(f"on the {variant!r} inputs the candidate returned "
                         f"{jax.tree.map(np.shape, cand)}, the reference "
                         f"{jax.tree.map(np.shape, gold)}")
-    ct = _cotangent(gold, key)
+    ct = _cotangent(gold, rng)
     positions = positions if _has_float(gold) else ()
     ref_outs, cand_outs = {"forward": gold}, {"forward": cand}
     if positions:
@@ -855,7 +857,6 @@ def _run_variants(pool, candidate, reference, example_args, names, positions, re
                   seed, skipped, spread, runs, refs64) -> list[_Pending]:
     """Runs both callables on every variant in turn (filling `skipped`, `spread`, `runs` and
     `refs64`) and queues the analyses of their outputs on `pool`, in check order."""
-    key = jax.random.key(seed)
     checks: list[_Pending] = []
     for vi, name in enumerate(names):
         args = make_variant(name, example_args, seed + vi)
@@ -863,7 +864,7 @@ def _run_variants(pool, candidate, reference, example_args, names, positions, re
             skipped[name] = "not applicable to these arguments"
             continue
         run = _run(candidate, reference, name, _to_jax(args), positions,
-                   jax.random.fold_in(key, vi))
+                   np.random.default_rng([seed, vi]))
         if run is _RACE:
             race = _race_check(name)
             checks.append(_Pending(race.variant, race.output, _done(race.diagnosis)))

@@ -12,6 +12,7 @@ import pytest
 
 from peat_jax import analyzer as A
 from peat_jax._jax import cache_size
+from peat_jax.detector import detect
 from peat_jax.analyzer import Signature, analyze
 from peat_jax.errors import PeatError
 
@@ -202,13 +203,75 @@ def test_one_compile_per_shape_and_dtype():
     assert cache_size(A.device.shape_program) <= before + 1
 
 
-def test_a_new_shape_reuses_the_compiled_sample_statistics():
+def test_small_shapes_share_one_compiled_program_and_large_ones_reuse_the_sample_program():
     analyze(_normal(8), _normal(9))
     shapes, samples = cache_size(A.device.shape_program), cache_size(A.device.sample_program)
-    for shape in ((7, 3), (5, 40), (300,)):
+    for shape in ((7, 3), (5, 40), (128, 64), (1, 1)):     # the (128, 64) bucket, as SHAPE
+        analyze(_normal(1, shape), _normal(2, shape))
+    assert cache_size(A.device.shape_program) == shapes
+    for shape in ((3, 4, 5), (129, 64)):                  # 3-D; too many rows for the bucket
         analyze(_normal(1, shape), _normal(2, shape))
     assert cache_size(A.device.sample_program) == samples
-    assert cache_size(A.device.shape_program) == shapes + 3
+    assert cache_size(A.device.shape_program) == shapes + 2
+
+
+def _fields(d, path=""):
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from _fields(v, f"{path}.{k}")
+    elif isinstance(d, (list, tuple)):
+        for i, v in enumerate(d):
+            yield from _fields(v, f"{path}[{i}]")
+    else:
+        yield path, d
+
+
+def _same_signature(a: A.Signature, b: A.Signature) -> list:
+    """The fields where `a` and `b` differ beyond float32 rounding of a sum."""
+    fa, fb = dict(_fields(a.to_dict())), dict(_fields(b.to_dict()))
+    assert fa.keys() == fb.keys()
+    return [(k, fa[k], fb[k]) for k in fa
+            if not (fa[k] == fb[k] or (isinstance(fa[k], float) and isinstance(fb[k], float) and
+                                       (np.isnan(fa[k]) and np.isnan(fb[k]) or
+                                        abs(fa[k] - fb[k]) <= 1e-5 * abs(fb[k]))))]
+
+
+def _faulty(kind: str, g: np.ndarray) -> np.ndarray:
+    c = g.copy()
+    flat = c.reshape(-1)
+    if kind == "one":
+        flat[flat.size // 2] *= -4
+    elif kind == "last_row":
+        c.reshape(-1, g.shape[-1])[-1] = 0
+    elif kind == "scale":
+        c = g * np.asarray(3, g.dtype)
+    elif kind == "transpose":
+        c = g.T.copy()
+    elif kind == "nan":
+        flat[-1] = np.nan
+    return c
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
+@pytest.mark.parametrize("shape", [(7,), (1, 1), (5, 40), (33, 33), (3, 200)])
+def test_a_leaf_padded_into_its_bucket_has_the_signature_it_has_alone(shape, dtype,
+                                                                      monkeypatch):
+    from peat_jax.analyzer import api
+    r = _normal(3, shape).astype(np.float64)
+    g = np.asarray(jnp.asarray(r).astype(dtype))
+    kinds = ["noise", "one", "last_row", "scale", "nan"] + (
+        ["transpose"] if shape[0] == shape[-1] and len(shape) == 2 else [])
+    for kind in kinds:
+        c = (np.asarray((jnp.asarray(r) * (1 + 1e-3 * _normal(4, shape))).astype(dtype))
+             if kind == "noise" else _faulty(kind, g))
+        for ref, k in ((None, None), (r, np.abs(r) * 1e-7)):
+            padded = analyze(c, g, ref, conditioning=k)
+            with monkeypatch.context() as m:
+                m.setattr(api, "bucket_of", lambda *_: None)
+                alone = analyze(c, g, ref, conditioning=k)
+            assert _same_signature(padded, alone) == [], (kind, ref is not None)
+            assert detect(padded).model == detect(alone).model
 
 
 _MOMENTS = ("bias_mean", "bias_std_error", "bias_t", "error_slope", "geo_mean_rel_significant")

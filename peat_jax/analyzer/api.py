@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from peat_jax.analyzer.bucket import bucket_of, pad, unpad
 from peat_jax.analyzer.build import build_signature, nonfloat_signature
 from peat_jax.analyzer.contract import Options
 from peat_jax.analyzer.device import leaf_stats, nonfloat_stats
@@ -152,6 +153,19 @@ def _nonfloat_leaf(path: str, c, g, comparison: str) -> Signature:
                               n_mis, mismatch)
 
 
+def _leaf_stats(device, options: Options, c, g, r, k, extent=None):
+    """`device.leaf_stats` on `device`, transferred to the host (the reference and the
+    conditioning spread as float64)."""
+    c, g = jax.device_put(c, device), jax.device_put(g, device)
+    if r is None:
+        return jax.device_get(leaf_stats(c, g, None, options, extent=extent))
+    with jax.enable_x64(True):
+        r64 = jax.device_put(jnp.asarray(r, jnp.float64), device)
+        k64 = None if k is None else jax.device_put(
+            jnp.nan_to_num(jnp.abs(jnp.asarray(k, jnp.float64)), nan=0.0, posinf=0.0), device)
+        return jax.device_get(leaf_stats(c, g, r64, options, k64, extent))
+
+
 def _analyze_leaf(path, c, g, r, k, reduction_length, noise_factor, ulp_allowance, comparison,
                   sample_size) -> Signature:
     _check_leaf(f" at {path}" if path else "", c, g, r, k)
@@ -165,15 +179,15 @@ def _analyze_leaf(path, c, g, r, k, reduction_length, noise_factor, ulp_allowanc
     options = Options(noise_factor=float(noise_factor), ulp_allowance=float(ulp_allowance),
                       bound_coef=float(coef), sample_size=int(sample_size), blocks=BLOCK_SIZES)
     device = _home(c, g)
-    c, g = jax.device_put(c, device), jax.device_put(g, device)
-    if r is None:
-        stats = jax.device_get(leaf_stats(c, g, None, options))
+    bucket = bucket_of(np.shape(g), g_dt, options.sample_size)
+    if bucket is None:
+        stats = _leaf_stats(device, options, c, g, r, k)
     else:
-        with jax.enable_x64(True):
-            r64 = jax.device_put(jnp.asarray(r, jnp.float64), device)
-            k64 = None if k is None else jax.device_put(
-                jnp.nan_to_num(jnp.abs(jnp.asarray(k, jnp.float64)), nan=0.0, posinf=0.0),
-                device)
-            stats = jax.device_get(leaf_stats(c, g, r64, options, k64))
+        nan = np.asarray(np.nan, g_dt)
+        stats = unpad(_leaf_stats(
+            device, options, pad(c, bucket, nan), pad(g, bucket, nan),
+            None if r is None else pad(np.asarray(r, np.float64), bucket, np.nan),
+            None if k is None else pad(np.asarray(k, np.float64), bucket, 0.0),
+            extent=(np.int32(bucket.rows), np.int32(bucket.cols))), bucket)
     return build_signature(path, tuple(np.shape(g)), g_dt, comparison, stats, options,
                            reduction_length)

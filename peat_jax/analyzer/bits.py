@@ -79,6 +79,11 @@ class Operand(NamedTuple):
         """Flat elements `idx` (all of them when idx is None)."""
         return Operand(take(self.vals, idx), take(self.bits, idx), self.fmt)
 
+    def sub(self, index) -> "Operand":
+        """The elements at basic index `index` (slices), values and bits alike."""
+        gb = None if self.gathered_bits is None else self.gathered_bits[index]
+        return Operand(self.vals[index], gb, self.fmt)
+
     def rows(self, rows) -> "Operand":
         """Rows `rows` of a 2-D operand."""
         return Operand(self.vals[rows], self.bits[rows], self.fmt)

@@ -10,6 +10,7 @@ checks (`structure`). What comes back is a `contract.LeafStats`.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,8 @@ def whole_leaf(c, g, r, s: Scales, options: Options, f: FloatFormat) -> WholeLea
 
     nf_c, nf_g, new_nf, lost_nf, ftz, sig_ftz, gold_fl, sub_g = lax.cond(
         n_rare > 0, lambda _: _rare_counts(c, g, r, s, options, f, eloc), none, None)
+    padding = c.size - s.rows * s.cols    # a bucket's NaNs, equal in candidate and golden
+    nf_c, nf_g = nf_c - padding, nf_g - padding
     return WholeLeaf(
         mismatched=n_mis, significant=n_sig, nonfinite_candidate=nf_c, nonfinite_golden=nf_g,
         new_nonfinite=new_nf, lost_nonfinite=lost_nf, flushed=ftz,
@@ -93,17 +96,35 @@ def conditioning_stats(c, g, r, s: Scales, options: Options,
                              decisive=n_decisive)
 
 
+def _median(x, n):
+    """The median of the first `n` (an int, or traced) of the finite values `x`."""
+    v = jnp.sort(jnp.where(jnp.arange(x.shape[0]) < n, x, jnp.inf))
+    return 0.5 * (v[(n - 1) // 2] + v[n // 2])
+
+
 def _relative_tolerance(s: Scales, r, options: Options, f: FloatFormat):
     """Relative tolerance of ratio tests: twice the typical floor at |g| = rms, relative (at
     least 4 eps), float32."""
-    typical = s.abs_floor if r is None else options.noise_factor * jnp.median(s.E_row)
+    typical = s.abs_floor if r is None else options.noise_factor * _median(s.E_row, s.rows)
     rel_floor = options.ulp_allowance * f.eps + typical / jnp.maximum(s.rms, 1e-30)
     return jnp.maximum(2.0 * rel_floor, 4.0 * f.eps).astype(jnp.float32)
 
 
+def _in_flat_order(shape, extent):
+    """(flat positions, valid) that gather a bucket's leaf from its padded `shape` in the leaf's
+    own flat order, then padding (the last position, a NaN, as its own sample would be padded)."""
+    rows, cols = extent
+    k = jnp.arange(math.prod(shape), dtype=jnp.int32)
+    valid = k < rows * cols
+    return jnp.where(valid, (k // cols) * shape[-1] + k % cols, k.shape[0] - 1), valid
+
+
 @functools.partial(jax.jit, static_argnames=("options",))
-def shape_program(c, g, r, options: Options, k=None):
+def shape_program(c, g, r, options: Options, k=None, extent=None):
     """Everything but the sample's distributions, compiled once per (shapes, dtypes, options).
+
+    `extent`: None for a leaf as it is; for a leaf padded into a bucket (`analyzer.bucket`),
+    its (rows, cols) as int32 scalars, so that every leaf of the bucket shares the program.
 
     Returns:
       (a `LeafStats` whose ``sample`` is None, the `Gathered` sample, the leaf's `Scales`
@@ -113,10 +134,10 @@ def shape_program(c, g, r, options: Options, k=None):
     f = analyzed_format(g.dtype)
     c, g = Operand(c, None, f), Operand(g, None, f)
     idx = sample_index(c.size, options.sample_size)
-    s = leaf_scales(c, g, r, idx, options, f, k)
+    s = leaf_scales(c, g, r, idx, options, f, k, extent)
     whole = whole_leaf(c, g, r, s, options, f)
     rel_tol = _relative_tolerance(s, r, options, f)
-    noise_free = (whole.mismatched - whole.significant) <= NOISE_FREE_SHARE * c.size
+    noise_free = (whole.mismatched - whole.significant) <= NOISE_FREE_SHARE * s.rows * s.cols
     worst, struct = structure(c, g, r, s, options, f, whole.significant, rel_tol)
     stats = LeafStats(
         whole=whole, sample=None, worst=worst, structure=struct,
@@ -124,8 +145,11 @@ def shape_program(c, g, r, options: Options, k=None):
         scales=LeafScales(rms=s.rms, abs_floor=s.abs_floor, rel_tol=rel_tol,
                           golden_max_abs_error=s.E, golden_max_ulp_error=s.U),
         conditioning=None if s.K is None else conditioning_stats(c, g, r, s, options, f))
-    return (stats, gather_sample(c, g, r, idx, s, options, f),
-            s._replace(E_row=None, E_col=None, K=None), noise_free)
+    valid = None
+    if extent is not None:
+        idx, valid = _in_flat_order(c.shape, extent)
+    return (stats, gather_sample(c, g, r, idx, s, options, f, valid),
+            s._replace(E_row=None, E_col=None, K=None, rows=None, cols=None), noise_free)
 
 
 @functools.partial(jax.jit, static_argnames=("options",))
@@ -135,16 +159,18 @@ def sample_program(sample: Gathered, s: Scales, noise_free, options: Options) ->
     return sample_stats(sample, s, options, analyzed_format(sample.g_vals.dtype), noise_free)
 
 
-def leaf_stats(c, g, r, options: Options, k=None) -> LeafStats:
+def leaf_stats(c, g, r, options: Options, k=None, extent=None) -> LeafStats:
     """The statistics of candidate `c` against golden `g` (same shape and float dtype), with the
     float64 reference `r` or None and, with `r`, the conditioning spread `k` (float64, output
     units, `g`'s shape) or None: `shape_program`, then `sample_program` on its sample (both
-    dispatched without waiting; a new shape compiles only the first).
+    dispatched without waiting; a new shape compiles only the first). `extent`: see
+    `shape_program` (the operands then are a bucket's padded arrays).
 
     Returns:
-      A `LeafStats` of device scalars and small vectors (see `contract`).
+      A `LeafStats` of device scalars and small vectors (see `contract`); for a bucket, in the
+      padded array's coordinates (`bucket.unpad` maps them back).
     """
-    stats, sample, scales, noise_free = shape_program(c, g, r, options, k)
+    stats, sample, scales, noise_free = shape_program(c, g, r, options, k, extent)
     return stats._replace(sample=sample_program(sample, scales, noise_free, options))
 
 

@@ -90,6 +90,8 @@ class Scales(NamedTuple):
     E_col: Any = None
     U90: Any = None         # 90th percentile of the golden's ULP error (sample), ULPs
     K: Any = None           # the conditioning spread, (R, C) view, float64 (given only)
+    rows: Any = None        # the leaf's rows R and columns C in its 2-D view: ints, or traced
+    cols: Any = None        #   int32 when the leaf is padded into a bucket (`analyzer.bucket`)
 
 
 class Local(NamedTuple):
@@ -100,43 +102,50 @@ class Local(NamedTuple):
     #                           perturbations (None: not given)
 
 
-def _noise_scale(s: Scales, rows, cols, C: int, R: int):
-    use_row, use_col = C >= _THIN, R >= _THIN
-    if use_row and use_col:
-        return jnp.minimum(s.E_row[rows], s.E_col[cols])
-    if use_row:
-        return s.E_row[rows]
-    if use_col:
-        return s.E_col[cols]
-    return jnp.broadcast_to(s.E, jnp.shape(rows))
+def _select(flag, a, b):
+    """`a` where `flag`, else `b`: a Python branch for a static flag, `jnp.where` for a traced
+    one (a bucket's extent is traced)."""
+    if isinstance(flag, (bool, np.bool_)):
+        return a() if flag else b()
+    return jnp.where(flag, a(), b())
 
 
-def local_scale(s: Scales, rows, cols, C: int, R: int) -> Local:
+def _noise_scale(s: Scales, rows, cols):
+    use_row, use_col = s.cols >= _THIN, s.rows >= _THIN
+    return _select(
+        use_row & use_col, lambda: jnp.minimum(s.E_row[rows], s.E_col[cols]),
+        lambda: _select(use_row, lambda: s.E_row[rows],
+                        lambda: _select(use_col, lambda: s.E_col[cols],
+                                        lambda: jnp.broadcast_to(s.E, jnp.shape(rows)))))
+
+
+def local_scale(s: Scales, rows, cols) -> Local:
     """The `Local` scales at elements (rows, cols) of the 2-D view. The golden's own error
     scale is ``min(E_row[row], E_col[col])``; the row maximum alone when columns are shorter
     than 32, the column maximum alone when rows are, the leaf's maximum when both are (the
     maximum of fewer golden errors is too often small by luck). The conditioning spread is
     K's element there."""
-    return Local(noise=_noise_scale(s, rows, cols, C, R),
+    return Local(noise=_noise_scale(s, rows, cols),
                  conditioning=None if s.K is None else s.K[rows, cols])
 
 
 def local_scale_2d(s: Scales, R: int, C: int) -> Optional[Local]:
-    """`local_scale` for every element of the (R, C) view (None without a reference)."""
+    """`local_scale` for every element of the (R, C) array (the 2-D view, or a bucket's padded
+    array; None without a reference)."""
     if s.E_row is None:
         return None
     rows = jnp.arange(R, dtype=jnp.int32)[:, None]
     cols = jnp.arange(C, dtype=jnp.int32)[None, :]
-    noise = _noise_scale(s, jnp.broadcast_to(rows, (R, C)), jnp.broadcast_to(cols, (R, C)), C, R)
+    noise = _noise_scale(s, jnp.broadcast_to(rows, (R, C)), jnp.broadcast_to(cols, (R, C)))
     return Local(noise=noise, conditioning=s.K)
 
 
 def local_scale_flat(s: Scales, idx, n: int, R: int, C: int) -> Optional[Local]:
-    """`local_scale` for the flat indices `idx` (None: all n elements)."""
+    """`local_scale` for the flat indices `idx` (None: all n elements) of an (R, C) array."""
     if s.E_row is None:
         return None
     flat = jnp.arange(n, dtype=jnp.int32) if idx is None else jnp.asarray(idx, jnp.int32)
-    return local_scale(s, flat // C, flat % C, C, R)
+    return local_scale(s, flat // C, flat % C)
 
 
 def _rms(g, idx, f: FloatFormat):
@@ -150,14 +159,17 @@ def _rms(g, idx, f: FloatFormat):
     return m * jnp.sqrt(jnp.sum(jnp.where(fin, (gs / m) ** 2, 0)) / n)
 
 
-def leaf_scales(c, g, r, idx, options: Options, f: FloatFormat, k=None) -> Scales:
+def leaf_scales(c, g, r, idx, options: Options, f: FloatFormat, k=None,
+                extent=None) -> Scales:
     """The `Scales` of a leaf: `c`, `g` are `Operand`s, `r` the float64 reference or None,
     `k` the conditioning spread (float64, output units; only with `r`) or None, `idx` the
-    sample's flat indices."""
+    sample's flat indices; `extent` the (rows, cols) of a bucket's leaf (traced int32; its
+    arrays are padded with NaN beyond them), or None for a leaf as it is."""
     rms = _rms(g, idx, f)
-    if r is None:
-        return Scales(rms=rms, abs_floor=options.bound_coef * rms)
     R, C, _, _ = view2d(g.shape)
+    rows, cols = (R, C) if extent is None else extent
+    if r is None:
+        return Scales(rms=rms, abs_floor=options.bound_coef * rms, rows=rows, cols=cols)
     rf = r.reshape(R, C).astype(jnp.float64)
     g2 = g.reshape(R, C)
     ok = ~decode(g2, f).nonfinite & jnp.isfinite(rf)
@@ -176,7 +188,7 @@ def leaf_scales(c, g, r, idx, options: Options, f: FloatFormat, k=None) -> Scale
     if k is not None:
         K = jnp.where(jnp.isfinite(rf), k.reshape(R, C).astype(jnp.float64), 0.0)
     return Scales(rms=rms, abs_floor=options.noise_factor * E, E=E, U=U, E_row=E_row,
-                  E_col=E_col, U90=U90, K=K)
+                  E_col=E_col, U90=U90, K=K, rows=rows, cols=cols)
 
 
 class Elements(NamedTuple):

@@ -219,12 +219,18 @@ def _padded(x, size: int, fill):
     return None if x is None else jnp.pad(x, (0, size - x.shape[0]), constant_values=fill)
 
 
-def gather_sample(c, g, r, idx, s: Scales, options: Options, f: FloatFormat) -> Gathered:
+def gather_sample(c, g, r, idx, s: Scales, options: Options, f: FloatFormat,
+                  valid=None) -> Gathered:
     """The `Gathered` sample `idx` (None: the whole leaf) of `Operand`s `c`, `g`, the float64
-    reference `r` (or None) and the local scales of the floor there."""
+    reference `r` (or None) and the local scales of the floor there; `valid` (or None: all)
+    marks the positions of `idx` that are the leaf's, the others are a bucket's padding."""
     cs, gs = take(c, idx), take(g, idx)
     R, C, _, _ = view2d(c.shape)
     eloc = local_scale_flat(s, idx, c.size, R, C)
+    if eloc is not None and valid is not None:
+        eloc = Local(noise=jnp.where(valid, eloc.noise, 0.0),
+                     conditioning=None if eloc.conditioning is None else
+                     jnp.where(valid, eloc.conditioning, 0.0))
     size = options.sample_size
     nan = jnp.full((), jnp.nan, f.dtype)
     nan_bits = lax.bitcast_convert_type(nan, cs.bits.dtype)

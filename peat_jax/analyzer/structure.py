@@ -22,7 +22,7 @@ from peat_jax.formats import FloatFormat, ulp_of_magnitude
 
 __all__ = ["permutation", "structure"]
 
-_FULL_SHARE = 0.9       # a row / column with this share of its elements wrong is "full"
+_FULL_SHARE = (9, 10)   # a row / column with this share of its elements wrong is "full"
 _N_FULL_LISTED = 8
 
 
@@ -43,7 +43,7 @@ def _worst(c2, g2, r2, row_score, s: Scales, options: Options, f: FloatFormat,
     eloc = None
     if s.E_row is not None:
         cols = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32)[None, :], (k_rows, C))
-        eloc = local_scale(s, jnp.broadcast_to(rows[:, None], (k_rows, C)), cols, C, R)
+        eloc = local_scale(s, jnp.broadcast_to(rows[:, None], (k_rows, C)), cols)
     sub = elements(c2.rows(rows), g2.rows(rows), None if r2 is None else r2[rows], s, options,
                    f, eloc)
     score, pos = lax.top_k(_score(sub).reshape(-1), k)
@@ -82,12 +82,21 @@ def _sparse_columns(worst: WorstStats, R: int, C: int):
     return col, nan, nan
 
 
-def _summary(row_cnt, col_cnt, rmax, rmin, rel_tol, shape) -> StructureStats:
-    """The `StructureStats` of per-row / per-column significant counts and ratio ranges."""
-    R, C, lead, R2 = view2d(shape)
+def _full(n):
+    """Errors that make a row / column of n elements "full": ceil(9 n / 10), in integers (n may
+    be traced)."""
+    num, den = _FULL_SHARE
+    return -((-num * n) // den)
+
+
+def _summary(row_cnt, col_cnt, rmax, rmin, rel_tol, shape, rows, cols) -> StructureStats:
+    """The `StructureStats` of per-row / per-column significant counts and ratio ranges of an
+    array of `shape` whose first `rows` x `cols` elements are the leaf's (a bucket's padding
+    beyond them holds no error)."""
+    _, _, lead, R2 = view2d(shape)
     total = jnp.maximum(jnp.sum(row_cnt), 1)
-    full_r = (row_cnt >= math.ceil(_FULL_SHARE * C)) & (C >= 2)
-    full_c = (col_cnt >= math.ceil(_FULL_SHARE * R)) & (R >= 2)
+    full_r = (row_cnt >= _full(cols)) & (cols >= 2)
+    full_c = (col_cnt >= _full(rows)) & (rows >= 2)
     has = row_cnt > 0
     scale = jnp.maximum(jnp.abs(rmax), jnp.abs(rmin))
     const = has & jnp.isfinite(rmax) & (rmax - rmin <= rel_tol * scale) & \
@@ -129,7 +138,7 @@ def structure(c, g, r, s: Scales, options: Options, f: FloatFormat, n_sig,
             return _sparse_columns(worst, R, C)
 
         col_cnt, rmax, rmin = lax.cond(n_sig > k, dense, sparse, None)
-        return worst, _summary(row_cnt, col_cnt, rmax, rmin, rel_tol, c.shape)
+        return worst, _summary(row_cnt, col_cnt, rmax, rmin, rel_tol, c.shape, s.rows, s.cols)
 
     shapes = jax.eval_shape(run, None)
 
@@ -146,7 +155,12 @@ def permutation(c, g, r, s: Scales, options: Options, f: FloatFormat, n_sig) -> 
     not_checked = PermutationStats(*(jnp.asarray(-1, jnp.int32) for _ in range(3)))
     if c.size > PERMUTATION_MAX_ELEMENTS:
         return not_checked
-    square = c.ndim >= 2 and c.shape[-1] == c.shape[-2] and c.shape[-1] > 1
+    if isinstance(s.rows, int):   # the leaf as it is
+        square = c.ndim >= 2 and c.shape[-1] == c.shape[-2] and c.shape[-1] > 1
+        m = c.shape[-1] if square else 0
+    else:                         # a bucket (2-D): a square leaf is the top-left m x m corner
+        m = min(c.shape)
+        square = (s.rows == s.cols) & (s.cols > 1)
     abs_floor = s.abs_floor if r is None else options.noise_factor * s.E
     cdt = f.compute_dtype if r is None else jnp.float64
 
@@ -169,7 +183,10 @@ def permutation(c, g, r, s: Scales, options: Options, f: FloatFormat, n_sig) -> 
 
     def run(_):
         mc, mg = sorted_mono(c), sorted_mono(g)
-        tr = beyond(c, g.swapaxes(-1, -2)) if square else jnp.asarray(-1, jnp.int32)
+        tr = jnp.asarray(-1, jnp.int32)
+        if square is not False:
+            corner = (..., slice(0, m), slice(0, m))
+            tr = jnp.where(square, beyond(c.sub(corner), g.sub(corner).swapaxes(-1, -2)), tr)
         return PermutationStats(
             beyond_floor=beyond(as_operand(mc), as_operand(mg)).astype(jnp.int32),
             sorted_differ=jnp.sum(i32(mc != mg)).astype(jnp.int32),
