@@ -83,20 +83,22 @@ def _counts_and_bit_histograms(sm: _Sample, f: FloatFormat):
         ratio_elements=sm.ratio_sel, distribution=sm.dist_sel)
     ut = f.wide_uint
     flags = sum(m.astype(jnp.uint32) << jnp.uint32(k) for k, m in enumerate(masks))
-    pos = jnp.arange(f.bits, dtype=ut)
+    pos = jnp.arange(f.bits, dtype=ut)[:, None]
 
+    # one row per count / bit position, the elements along the minor axis: XLA:CPU vectorises
+    # row reductions, not column ones
     def bit(v):
-        return (v[:, None] >> pos) & ut(1)
+        return (v[None, :] >> pos) & ut(1)
 
     def masked(b, m):
-        return (b * m.astype(ut)[:, None]).astype(jnp.uint32)
+        return (b * m.astype(ut)[None, :]).astype(jnp.uint32)
 
     xhb = bit(sm.x_hi)
-    cols = jnp.concatenate([
-        (flags[:, None] >> jnp.arange(len(masks), dtype=jnp.uint32)) & jnp.uint32(1),
+    rows = jnp.concatenate([
+        (flags[None, :] >> jnp.arange(len(masks), dtype=jnp.uint32)[:, None]) & jnp.uint32(1),
         masked(bit(sm.x), el.mismatched), masked(xhb, sm.single),
-        masked(xhb * bit(dc.pattern), sm.single), masked(bit(dg.pattern), fin)], axis=1)
-    tot = jnp.sum(cols.astype(jnp.int32), axis=0)
+        masked(xhb * bit(dc.pattern), sm.single), masked(bit(dg.pattern), fin)], axis=0)
+    tot = jnp.sum(rows.astype(jnp.int32), axis=1)
     k0 = len(masks)
     counts = SampleCounts(*(tot[i] for i in range(k0)))
     return counts, tot[k0:].reshape(4, f.bits)
@@ -116,8 +118,8 @@ def _one_hot_histograms(sm: _Sample, f: FloatFormat):
                       trailing_zeros(dc), trailing_zeros(dg)])
     ok = jnp.stack([~dc.nan & ~dg.nan, sm.el.mismatched, (dc.exponent > 0) & ~dc.nonfinite,
                     (dg.exponent > 0) & ~dg.nonfinite])
-    buckets = jnp.arange(f.bits + 1, dtype=jnp.int32)
-    oh = jnp.sum(((vals[:, :, None] == buckets) & ok[:, :, None]).astype(jnp.int32), axis=1)
+    buckets = jnp.arange(f.bits + 1, dtype=jnp.int32)[None, :, None]
+    oh = jnp.sum(((vals[:, None, :] == buckets) & ok[:, None, :]).astype(jnp.int32), axis=2)
     return oh[0], oh[1], oh[2, :f.mantissa_bits + 1], oh[3, :f.mantissa_bits + 1]
 
 
