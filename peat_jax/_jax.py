@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import warnings
 from typing import Any, Iterator, Optional, Sequence
 
@@ -35,7 +36,8 @@ from peat_jax.errors import PeatError
 
 __all__ = [
     "JAX_VERSION", "TESTED_RANGE", "Literal", "ScanLayout", "ShardMapLayout", "WhileLayout",
-    "bind", "cache_size", "call_body", "cond_branches", "cuda_versions", "eqn_context",
+    "bind", "cache_size", "call_body", "cond_branches", "cuda_versions", "debug_callback_logger",
+    "eqn_context",
     "ffi_platform", "is_differentiating", "is_jaxpr", "is_tracer", "jaxpr_body", "jaxpr_consts",
     "live_processes", "name_stack", "pallas_interpreter", "remat_layout", "scan_layout",
     "shard_map", "shard_map_layout", "sub_jaxprs", "unsupported", "while_layout",
@@ -336,6 +338,12 @@ def pallas_interpreter():
     """The module of Pallas' checked (TPU-style) interpreter, which holds its race state."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
     return interpret_pallas_call
+
+
+def debug_callback_logger() -> logging.Logger:
+    """The logger to which jax reports an exception raised inside a `jax.debug.callback`, with
+    its traceback, before the exception reaches the caller (the same module on 0.10-0.12)."""
+    return logging.getLogger("jax._src.debugging")
 
 
 def cuda_versions() -> dict[str, Optional[int]]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import jax
@@ -189,10 +190,25 @@ def reset_interpret_state() -> None:
     _interp_module().reset_tpu_interpret_mode_state()
 
 
+class DataRaceError(PeatError):
+    """The Pallas interpreter's race detector saw a data race in a checked kernel."""
+
+
+class _WithoutRaceTracebacks(logging.Filter):
+    """Drops jax's log of a `DataRaceError` raised in `_check_races`' callback (a traceback on
+    stderr): the error itself reaches the caller, who reports it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], DataRaceError))
+
+
+_jax.debug_callback_logger().addFilter(_WithoutRaceTracebacks())
+
+
 def _check_races(name: str, *_):
     # runs after the kernel: its output is this callback's operand
     if races_found():
-        raise PeatError(f"data race detected in Pallas kernel {name!r} by the interpreter's race "
+        raise DataRaceError(f"data race detected in Pallas kernel {name!r} by the interpreter's race "
                         "detector: two grid points on different cores accessed the same memory "
                         "with at least one write (is a reduction or revisited output dimension "
                         "marked 'parallel'?)")
