@@ -514,8 +514,21 @@ def _by_float64(c: _Check, run: _Run, ref64: dict[str, Any], cand64: dict[str, A
     dtype = str(jnp.result_type(jax.tree.leaves(run.candidate[o])[0]))
     f = Float64Evidence(dtype=dtype, error=_max_difference(run.candidate[o], ref64[o]),
                         error64=_max_difference(cand64[o], ref64[o]), scale=scale,
-                        reference_error=_max_difference(run.reference[o], ref64[o]))
+                        reference_error=_max_difference(run.reference[o], ref64[o]),
+                        in_float64=_beyond_grid(cand64[o], dtype))
     return _Check(c.variant, o, by_float64(c.diagnosis, f, allow=opts.allow))
+
+
+def _beyond_grid(tree, dtype: str) -> bool:
+    """Some finite value of `tree` is not representable in `dtype` (a float64 run that
+    computed beyond it)."""
+    for x in jax.tree.leaves(tree):
+        x = np.asarray(x, np.float64)
+        x = x[np.isfinite(x)]
+        with np.errstate(over="ignore"):
+            if np.any(x.astype(dtype).astype(np.float64) != x):
+                return True
+    return False
 
 
 def _repeat_checks(pool: ThreadPoolExecutor, candidate, run: _Run, repeats: int,

@@ -747,6 +747,9 @@ class Float64Evidence(NamedTuple):
         float64 run is non-finite and the reference is not).
       scale: max |float64 reference| over its finite elements.
       reference_error: max |reference in the dtype - float64 reference| (output units).
+      in_float64: False when every value of the float64 run is representable in `dtype`: the
+        candidate computed in its own dtype inside (a kernel that casts to float32), so its
+        "float64" run says nothing about its algorithm and no float64 rule applies.
     """
 
     dtype: str
@@ -754,6 +757,7 @@ class Float64Evidence(NamedTuple):
     error64: float
     scale: float
     reference_error: float
+    in_float64: bool = True
 
 
 UNSTABLE_FACTOR = 8.0
@@ -768,12 +772,13 @@ def _unit_roundoff(dtype: str) -> float:
 
 def _unstable_algorithm(d: Diagnosis, f: Float64Evidence) -> Optional[_Match]:
     """The check fails with a model other than reduced_precision or nondeterministic; the
-    candidate evaluated in float64 matches the float64 reference to within u * max|reference|
+    candidate really computes in float64 when given float64 inputs (`in_float64`); evaluated
+    so, it matches the float64 reference to within u * max|reference|
     (u the unit roundoff of the candidate's dtype: its algorithm computes the right function);
     and in its dtype its max |error| exceeds 8 times both that bound and the reference's own
     max |error| (the dtype's rounding amplified: cancellation, as in a one-pass variance, or an
     intermediate that overflows)."""
-    if d.passed or d.model in ("reduced_precision", "nondeterministic"):
+    if d.passed or d.model in ("reduced_precision", "nondeterministic") or not f.in_float64:
         return None
     bound = _unit_roundoff(f.dtype) * f.scale
     if not (f.error64 <= bound and f.error > UNSTABLE_FACTOR * max(bound, f.reference_error)):
@@ -790,13 +795,14 @@ def _unstable_algorithm(d: Diagnosis, f: Float64Evidence) -> Optional[_Match]:
 def _approximation(d: Diagnosis, f: Float64Evidence) -> Optional[_Match]:
     """The check fails as low_precision_accumulation by the error's slope or bias (its values
     are not on a narrower grid), or as reduced_precision of the inputs with no narrow format
-    fitting, and the candidate evaluated in float64 is still off the float64 reference by at
-    least half its error in its own dtype (the difference is in the function computed, e.g.
+    fitting, and the candidate, really computing in float64 (`in_float64`), is still off the
+    float64 reference by at least half its error in its own dtype (the difference is in the function computed, e.g.
     tanh-GELU for the exact GELU or a polynomial exp, not in rounding)."""
     ev = d.evidence
     dense = (d.model == "low_precision_accumulation" and "max_ulp_on_grid" not in ev) or (
         d.model == "reduced_precision" and ev.get("where") == "inputs" and not ev.get("formats"))
-    if d.passed or not dense or not (f.error > 0 and f.error64 >= 0.5 * f.error):
+    if d.passed or not dense or not f.in_float64 or not (f.error > 0 and
+                                                         f.error64 >= 0.5 * f.error):
         return None
     ev = {"error": f.error, "error_float64": f.error64, "reference_max": f.scale,
           "would_be": d.model}

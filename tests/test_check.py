@@ -115,6 +115,22 @@ def test_nondeterministic_candidate():
     assert d.evidence["origin"]["output"] == "repeat forward"
 
 
+@pytest.mark.parametrize("inside", [None, jnp.float32])
+def test_float64_rules_need_a_candidate_that_computes_in_float64(inside):
+    """tanh-GELU for the exact GELU: run in float64 it is still off, so it is an approximation;
+    the same kernel casting to float32 inside returns float32 values from float64 inputs, which
+    say nothing about its algorithm: no float64 rule names it."""
+    def gelu_tanh(x):
+        return jax.nn.gelu(x if inside is None else x.astype(inside),
+                           approximate=True).astype(x.dtype)
+
+    x = jax.random.normal(jax.random.key(0), (32, 32))
+    d = check_kernel(gelu_tanh, lambda x: jax.nn.gelu(x, approximate=False), x,
+                     variants=("example",), backward=False, repeats=1)
+    assert not d.passed
+    assert (d.model == "approximation") == (inside is None), d.summary
+
+
 def test_allow_reduced_precision():
     def bf16_inputs(a, b):
         return a.astype(jnp.bfloat16).astype(a.dtype) @ b.astype(jnp.bfloat16).astype(b.dtype)

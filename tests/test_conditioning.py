@@ -104,7 +104,7 @@ def test_bundled_pallas_attention_backward_saturated_softmax():
     """q, k ~ 4e9 (the 'large' variant): the softmax is one-hot and dq, dk are exactly 0 in
     float64 under any 1-ULP perturbation; FlashAttention's rowsum(dO * O) made them ~1e13."""
     d = peat.check_kernel(peat.kernels.pallas_attention(), references.attention, *_qkv(),
-                          variants=("large", "near_overflow", "outliers"), repeats=1)
+                          variants=("large", "near_overflow"), repeats=1)
     assert d.passed, d.summary
 
 

@@ -129,10 +129,12 @@ def _quantiles(sm: _Sample, counts: SampleCounts, n: int):
     fin = el.finite
     ratio = jnp.where(sm.ratio_sel, el.cv / jnp.where(sm.ratio_sel, el.gv, 1), 0).astype(
         jnp.float32)
+    # The mismatched elements' relative errors need no sort of their own: a finite element
+    # that matches has relative error exactly 0, so they are the last `mismatched_finite` of
+    # the finite ones in sorted order (`at_mismatched`).
     keys = [nonneg_key(el.err_cg, fin), nonneg_key(sm.rel, fin), nonneg_key(el.ratio, fin),
-            nonneg_key(sm.rel, fin & el.mismatched), signed_key(ratio, sm.ratio_sel)]
-    valid = [counts.finite, counts.finite, counts.finite, counts.mismatched_finite,
-             counts.ratio_elements]
+            signed_key(ratio, sm.ratio_sel)]
+    valid = [counts.finite, counts.finite, counts.finite, counts.ratio_elements]
     if sm.rs is not None:
         rf = sm.rs.astype(jnp.float64)
         okr = sm.dist_sel
@@ -145,16 +147,21 @@ def _quantiles(sm: _Sample, counts: SampleCounts, n: int):
         v = lax.bitcast_convert_type(srt[i][ranks(valid[i], qs, n)], jnp.float32)
         return jnp.where(valid[i] > 0, v, jnp.nan)
 
+    def at_mismatched(qs):
+        m = counts.mismatched_finite
+        pos = jnp.minimum(counts.finite - m + ranks(m, qs, n), n - 1)
+        return jnp.where(m > 0, lax.bitcast_convert_type(srt[1][pos], jnp.float32), jnp.nan)
+
     quantiles = SampleQuantiles(
         abs_error=at(0, QUANTILES), rel_error=at(1, QUANTILES), floor_ratio=at(2, QUANTILES),
-        rel_error_mismatched=at(3, (0.5,)),
-        candidate_ulp=None if sm.rs is None else at(5, _ULP_QUANTILES),
-        golden_ulp=None if sm.rs is None else at(6, _ULP_QUANTILES))
-    rq = monotonic_to_float(srt[4][ranks(valid[4], _RATIO_RANKS, n)], F32)
-    rmin = monotonic_to_float(srt[4][0], F32)
+        rel_error_mismatched=at_mismatched((0.5,)),
+        candidate_ulp=None if sm.rs is None else at(4, _ULP_QUANTILES),
+        golden_ulp=None if sm.rs is None else at(5, _ULP_QUANTILES))
+    rq = monotonic_to_float(srt[3][ranks(valid[3], _RATIO_RANKS, n)], F32)
+    rmin = monotonic_to_float(srt[3][0], F32)
     med = rq[1]
     scale = jnp.maximum(jnp.abs(med), 1e-30)
-    ok = valid[4] > 0
+    ok = valid[3] > 0
     ratio_stats = RatioStats(
         median=jnp.where(ok, med, jnp.nan),
         spread=jnp.where(ok, jnp.maximum(rq[3] - med, med - rmin) / scale, jnp.nan),
