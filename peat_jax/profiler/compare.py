@@ -10,7 +10,9 @@ What "beyond noise" means here:
     does not differ (identical programs on XLA:CPU are bitwise reproducible);
   * the first site that differs at all (the *first difference*) is where a difference enters: it
     is diagnosed by `detect(analyze(sample_b, sample_a))`; `exact` / `numerical_noise` are noise,
-    any other model is the divergence;
+    any other model is the divergence (samples of small outputs hold a few values, too few for
+    the Detector's ratio test: where it finds no model but the sampled values, abs-max and RMS
+    all changed by one factor, that is `wrong_scale`);
   * downstream of the first difference the inputs of every site already differ, so its noise
     is the propagated one: a later site diverges when its difference is new non-finite values,
     or larger than `PROPAGATED_RTOL` (relative RMS of the sample difference) and its diagnosis
