@@ -284,8 +284,8 @@ def test_a_damaged_chunk_is_an_error_naming_it(tmp_path, damage):
 
 
 def test_runs_stored_one_file_a_step_still_compare(runs, tmp_path):
-    """A run profiled before chunks (one `<step>.npz` a step, no `sample_density` in sites.json)
-    compares as it did; against a run sampled otherwise the comparison is refused."""
+    """A run profiled before chunks (one `<step>.npz` a step; sites.json indented, one object a
+    site, no `sample_density`) compares as it did; against a run sampled otherwise the comparison is refused."""
     old = {}
     for name in ("ref", "scaled"):
         old[name] = shutil.copytree(runs[name], tmp_path / name)
@@ -297,8 +297,11 @@ def test_runs_stored_one_file_a_step_still_compare(runs, tmp_path):
                                                               ("floats", "words", "sample")})
             p.unlink()
         sites = json.loads((d / "sites.json").read_text())
+        fields = sites.pop("fields")
+        entries = [dict(zip(fields, row)) for row in sites.pop("sites")]
         del sites["sample_density"]
-        (d / "sites.json").write_text(json.dumps(sites))
+        (d / "sites.json").write_text(json.dumps({**sites, "sites": entries}, indent=2))
+    assert read_sites(RunDir(old["ref"]).site_stats) == read_sites(RunDir(runs["ref"]).site_stats)
     c, new = peat.compare(old["ref"], old["scaled"]), peat.compare(runs["ref"], runs["scaled"])
     assert (c.first_step, c.first_site, c.diagnosis) == (new.first_step, new.first_site,
                                                          new.diagnosis)

@@ -29,8 +29,9 @@ sample position i). Sites inside `while` or `cond` bodies are not recorded (thei
 be carried out of the loop or branch): `sites.json` marks them `"recorded": false`.
 
 On disk (`golden/site_stats/`, see `peat_jax.profiler.rundir`): `sites.json` (compact JSON: the
-`Sampling`, and one entry per site of the train step: index, primitive, path, phase, output shape
-and dtype, the sample's size and offset, whether it is recorded) and the statistics steps in
+`Sampling`, the `StatsSite` field names, and one row of them per site of the train step: index,
+primitive, path, phase, output shape and dtype, the sample's size and offset, whether it is
+recorded) and the statistics steps in
 chunks, `<first>-<last>.npz` (written by `np.savez_compressed`, no pickled objects): the golden
 run buffers the steps between two checkpoints and writes them as one file before it saves the
 checkpoint (and at the end, or once `CHUNK_STEPS` are buffered), holding `steps` int64 [T] and
@@ -41,10 +42,11 @@ offset + sample_size` as `sites.json` says). Runs profiled before chunks hold on
 step (the same arrays, unstacked); `recorded_steps` and `read_step` read both. A resumed run
 drops the statistics of the steps it redoes (`drop_steps`).
 
-Bytes (the vision workload, 44 recorded sites, stats at every step, 10 steps per chunk): the
-samples' sizes scale with the outputs (`SAMPLE_DENSITY`), so a step stores a few hundred
-values, well under 1% of a dump of the same outputs (`benchmarks/bench_profiler.py` prints
-the ratio).
+Bytes per step, measured on the vision workload (44 recorded sites whose outputs take 378 KB,
+statistics at every step, one 10-step chunk): the 500-value sample 1.7 KB compressed, `floats`
+0.5 KB, `words` 0.2 KB, `sites.json` (3.2 KB once) 0.3 KB: 0.73% of a dump of the same outputs
+(`benchmarks/bench_profiler.py`'s `stats_storage_ratio_vision`; 2.5% with a 64-value sample per
+site, a file per step and an indented sites.json).
 """
 from __future__ import annotations
 
@@ -485,13 +487,18 @@ def _outside_scans(stacked):
 # --------------------------------------------------------------------------------------------
 # On disk
 
+_FIELDS = tuple(f.name for f in dataclasses.fields(StatsSite))
+
+
 def write_sites(directory, sites: Sequence[StatsSite], sampling: Sampling = Sampling()) -> None:
-    """Write `sites.json` (compact JSON) into `directory`."""
+    """Write `sites.json` into `directory`: compact JSON, the sites as rows of `fields` (each
+    field named once, not once per site)."""
     from peat_jax.profiler.rundir import atomic_write_json
+    rows = [[s.to_json()[f] for f in _FIELDS] for s in sites]
     atomic_write_json(directory / "sites.json", {"sample_size": int(sampling.size),
                                                  "sample_density": int(sampling.density),
                                                  "statistics": list(STATISTICS),
-                                                 "sites": [s.to_json() for s in sites]},
+                                                 "fields": list(_FIELDS), "sites": rows},
                       indent=None)
 
 
@@ -503,7 +510,9 @@ def _sites_json(directory) -> dict:
                         "stats_every=K (`peat profile --stats-every K`)")
     try:
         d = json.loads(p.read_text())
-        return {"sites": [StatsSite.from_json(s) for s in d["sites"]],
+        entries = ([dict(zip(d["fields"], row)) for row in d["sites"]] if "fields" in d
+                   else d["sites"])  # runs profiled before rows: one object per site
+        return {"sites": [StatsSite.from_json(s) for s in entries],
                 # runs profiled before `sample_density` existed sampled min(n, size) elements
                 "sampling": Sampling(int(d.get("sample_size", SAMPLE_SIZE)),
                                      int(d.get("sample_density", 1)))}
