@@ -503,6 +503,7 @@ def write_sites(directory, sites: Sequence[StatsSite], sampling: Sampling = Samp
 
 
 def _sites_json(directory) -> dict:
+    """{"sites": the `StatsSite`s, "sampling": the `Sampling`} of `directory/sites.json`."""
     import json
     p = directory / "sites.json"
     if not p.exists():
@@ -532,6 +533,7 @@ def read_sampling(directory) -> Sampling:
 
 
 _CHUNK = re.compile(r"(\d+)-(\d+)")
+_ARRAYS = ("floats", "words", "sample")  # a statistics file's arrays besides `steps`
 
 
 def write_chunk(directory, steps: Sequence[int], packed: Sequence[Mapping[str, Any]]) -> None:
@@ -541,9 +543,6 @@ def write_chunk(directory, steps: Sequence[int], packed: Sequence[Mapping[str, A
     arrays = {"steps": np.asarray(steps, np.int64),
               **{k: np.stack([np.asarray(p[k]) for p in packed]) for k in _ARRAYS}}
     _write_npz(directory, f"{int(steps[0])}-{int(steps[-1])}.npz", arrays)
-
-
-_ARRAYS = ("floats", "words", "sample")
 
 
 def _write_npz(directory, name: str, arrays: Mapping[str, np.ndarray]) -> None:
