@@ -176,6 +176,44 @@ def test_killed_golden_run_resumes_from_the_last_complete_checkpoint_bitwise(gol
 
 
 @pytest.mark.slow
+def test_killed_golden_run_with_statistics_resumes_to_the_same_statistics(vision, tmp_path):
+    """The statistics of the steps between the checkpoint resumed from and the kill (a chunk
+    written just before its checkpoint, whose save the kill cut, included) are dropped and
+    recorded again: the same files and bitwise the same statistics as an uninterrupted run."""
+    from peat_jax.profiler.site_stats import read_step, recorded_steps
+    straight = tmp_path / "straight"
+    profile(vision, straight, steps=STEPS, checkpoint_every=EVERY, stats_every=1)
+    killed, cut = tmp_path / "killed", tmp_path / "cut"
+    script = textwrap.dedent(f"""
+        import sys, time
+        import peat_jax as peat
+        from peat_jax import models
+        wl = models.get("vision", **{CONFIG!r})
+        peat.profile(wl, sys.argv[1], steps={STEPS}, checkpoint_every={EVERY}, stats_every=1,
+                     progress=lambda done, total: time.sleep(0.3))
+    """)
+    log = tmp_path / "stderr.txt"
+    proc = _start(script, killed, log)
+    delay = random.Random(815).uniform(0.0, 0.9)
+    _kill_when(proc, lambda: (killed / "checkpoints" / "2").is_dir(), delay, log, "the golden run")
+    # a shorter run killed between writing its last chunk (step 4 alone) and saving the
+    # checkpoint after it, then resumed and extended
+    profile(vision, cut, steps=STEPS - 1, checkpoint_every=EVERY, stats_every=1)
+    shutil.rmtree(cut / "checkpoints" / str(STEPS - 1))
+    assert (cut / "golden" / "site_stats" / f"{STEPS - 2}-{STEPS - 2}.npz").exists()
+    for run, resumed in ((killed, None), (cut, STEPS - 2)):
+        again = profile(vision, run, steps=STEPS, checkpoint_every=EVERY, stats_every=1)
+        assert resumed is None or again.resumed_from == resumed
+        stats = run / "golden" / "site_stats"
+        names = sorted(p.name for p in stats.iterdir())
+        assert names == sorted(p.name for p in (straight / "golden" / "site_stats").iterdir())
+        assert recorded_steps(stats) == list(range(STEPS))
+        for step in range(STEPS):
+            a, b = read_step(stats, step), read_step(straight / "golden" / "site_stats", step)
+            assert all(a[k].tobytes() == b[k].tobytes() for k in a), (run.name, step)
+
+
+@pytest.mark.slow
 def test_killed_runtime_run_resumes_from_its_last_chunk_with_the_same_result(golden, tmp_path):
     _, run = golden
     sub, schedule = _sub(), peat.every(2)

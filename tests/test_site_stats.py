@@ -13,7 +13,10 @@ import peat_jax as peat
 from peat_jax import cli, models
 from peat_jax.profiler.golden import profile, restore
 from peat_jax.profiler.rundir import RunDir
-from peat_jax.profiler.site_stats import batch_stats, read_sites, recorded_steps, site_stats
+from peat_jax.profiler.site_stats import (SAMPLE_DENSITY, SAMPLE_SIZE, ChunkWriter, Sampling,
+                                          StatsStep, batch_stats, drop_steps, read_sampling,
+                                          read_sites, read_step, recorded_steps, sample_indices,
+                                          site_stats, unpack, write_chunk, write_sites)
 
 from conftest import bitwise_equal
 
@@ -61,10 +64,14 @@ def test_stats_files_are_pickle_free_and_complete(runs):
     sites = read_sites(rd.site_stats)
     recorded = [s for s in sites if s.recorded]
     assert len(recorded) == len(sites) > 30
-    with np.load(rd.site_stats / "0.npz", allow_pickle=False) as z:
-        assert z["floats"].shape == (len(recorded), 4)
-        assert z["words"].shape == (len(recorded), 2) and z["words"].dtype == np.uint32
-        assert z["sample"].size == sum(s.sample_size for s in recorded)
+    # one file for the steps of the checkpoint interval, and the compact sites.json
+    assert sorted(p.name for p in rd.site_stats.iterdir()) == [f"0-{STEPS - 1}.npz", "sites.json"]
+    assert b"\n" not in (rd.site_stats / "sites.json").read_bytes().rstrip()
+    with np.load(rd.site_stats / f"0-{STEPS - 1}.npz", allow_pickle=False) as z:
+        assert z["steps"].tolist() == list(range(STEPS))
+        assert z["floats"].shape == (STEPS, len(recorded), 4)
+        assert z["words"].shape == (STEPS, len(recorded), 2) and z["words"].dtype == np.uint32
+        assert z["sample"].shape == (STEPS, sum(s.sample_size for s in recorded))
     assert {s.phase for s in sites} == {"fwd", "bwd"}
     assert not RunDir(runs["plain"]).site_stats.exists()
 
@@ -208,3 +215,111 @@ def test_batched_statistics_are_each_outputs_own():
     moved = xs[2].at[jax.numpy.array([3, 4])].set(xs[2][jax.numpy.array([4, 3])])
     sums = [int(jax.jit(batch_stats)([x]).checksum[0]) for x in (xs[2], flipped, moved)]
     assert len(set(sums)) == 3  # a flipped sign bit and two swapped elements both change it
+
+
+@pytest.mark.parametrize("n, kept", [(0, 0), (1, 1), (32, 1), (255, 1), (256, 2), (640, 5),
+                                     (8191, 63), (8192, 64), (10 ** 6, 64)])
+def test_the_sample_scales_with_the_output_and_stays_under_one_percent(n, kept):
+    idx = sample_indices(n)
+    assert len(idx) == kept and len(set(idx.tolist())) == kept
+    assert kept <= max(1, n // SAMPLE_DENSITY) and (n < SAMPLE_DENSITY or kept / n < 0.01)
+    assert np.all(np.diff(idx) > 0) and (n == 0 or idx[-1] < n)
+    assert sample_indices(n, Sampling(SAMPLE_SIZE, 1)).size == min(n, SAMPLE_SIZE)  # older runs
+
+
+def _packed(step: int, sites: int = 3, sample: int = 5) -> dict:
+    rng = np.random.default_rng(step)
+    return {"floats": rng.standard_normal((sites, 4)).astype(np.float32),
+            "words": rng.integers(0, 2 ** 32, (sites, 2), dtype=np.uint32),
+            "sample": rng.standard_normal(sample).astype(np.float32)}
+
+
+_np_load = np.load
+
+
+def _assert_step(directory, step):
+    got, want = read_step(directory, step), unpack(_packed(step))
+    assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_chunks_and_older_step_files_read_alike_and_a_resume_drops_its_steps(tmp_path, monkeypatch):
+    d = tmp_path / "site_stats"
+    writer = ChunkWriter(d, chunk_steps=2)  # every 2nd step: steps 0, 2 | 4, 6 | then 8 alone
+    for step in (0, 2, 4, 6):
+        writer.add(step, _packed(step))
+    writer.flush()  # nothing left: no empty file
+    np.savez_compressed(d / "8.npz", **_packed(8))  # a step file of a run profiled before chunks
+    assert sorted(p.name for p in d.iterdir()) == ["0-2.npz", "4-6.npz", "8.npz"]
+    loads = []
+    monkeypatch.setattr(np, "load", lambda *a, **k: loads.append(a[0]) or _np_load(*a, **k))
+    assert recorded_steps(d) == [0, 2, 4, 6, 8]
+    for _ in range(3):  # listing the steps and walking them reads each file once
+        for step in (0, 2, 4, 6, 8):
+            _assert_step(d, step)
+    assert sorted(map(str, loads)) == sorted(str(d / n) for n in ("0-2.npz", "4-6.npz", "8.npz"))
+    with pytest.raises(peat.PeatError, match="no statistics of step 3"):
+        read_step(d, 3)
+
+    drop_steps(d, 5)  # resuming from checkpoint 5: the chunk 4-6 keeps step 4, 8.npz goes
+    assert sorted(p.name for p in d.iterdir()) == ["0-2.npz", "4-4.npz"]
+    assert recorded_steps(d) == [0, 2, 4]
+    for step in (0, 2, 4):
+        _assert_step(d, step)
+    drop_steps(d, 2)
+    assert recorded_steps(d) == [0] and sorted(p.name for p in d.iterdir()) == ["0-0.npz"]
+    drop_steps(tmp_path / "none", 0)  # a run without statistics: nothing made
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize("damage", [b"garbage", None])
+def test_a_damaged_chunk_is_an_error_naming_it(tmp_path, damage):
+    d = tmp_path / "site_stats"
+    write_chunk(d, [0, 1], [_packed(0), _packed(1)])
+    p = d / "0-1.npz"
+    p.write_bytes(damage if damage is not None else p.read_bytes()[:-40])  # garbage, truncated
+    with pytest.raises(peat.PeatError, match=r"0-1\.npz cannot be read.*damaged"):
+        read_step(d, 1)
+    with pytest.raises(peat.PeatError, match=r"0-1\.npz cannot be read"):
+        recorded_steps(d)
+
+
+def test_runs_stored_one_file_a_step_still_compare(runs, tmp_path):
+    """A run profiled before chunks (one `<step>.npz` a step; sites.json indented, one object a
+    site, no `sample_density`) compares as it did; against a run sampled otherwise the comparison is refused."""
+    old = {}
+    for name in ("ref", "scaled"):
+        old[name] = shutil.copytree(runs[name], tmp_path / name)
+        d = RunDir(old[name]).site_stats
+        for p in list(d.glob("*-*.npz")):
+            with np.load(p, allow_pickle=False) as z:
+                for t, step in enumerate(z["steps"]):
+                    np.savez_compressed(d / f"{step}.npz", **{k: z[k][t] for k in
+                                                              ("floats", "words", "sample")})
+            p.unlink()
+        sites = json.loads((d / "sites.json").read_text())
+        fields = sites.pop("fields")
+        entries = [dict(zip(fields, row)) for row in sites.pop("sites")]
+        del sites["sample_density"]
+        (d / "sites.json").write_text(json.dumps({**sites, "sites": entries}, indent=2))
+    assert read_sites(RunDir(old["ref"]).site_stats) == read_sites(RunDir(runs["ref"]).site_stats)
+    c, new = peat.compare(old["ref"], old["scaled"]), peat.compare(runs["ref"], runs["scaled"])
+    assert (c.first_step, c.first_site, c.diagnosis) == (new.first_step, new.first_site,
+                                                         new.diagnosis)
+    assert c.grid == new.grid
+    with pytest.raises(peat.PeatError, match="sampled the site outputs differently"):
+        peat.compare(old["ref"], runs["scaled"])
+
+
+@pytest.mark.slow
+def test_a_resumed_run_keeps_sampling_as_it_began(tmp_path):
+    """A run begun by an older peat_jax (every output sampled at min(n, 64) elements) goes on
+    with its own sampling when resumed, so its sites.json describes every step it holds."""
+    wl, run = _wl(), tmp_path / "run"
+    profile(wl, run, steps=1, checkpoint_every=1, stats_every=1)
+    d, older = RunDir(run).site_stats, Sampling(SAMPLE_SIZE, 1)
+    state, batch = wl.init(jax.random.key(0)), jax.tree.map(jax.numpy.asarray, wl.batch(0))
+    write_sites(d, StatsStep(wl.train_step, sampling=older).sites(state, batch), older)
+    profile(wl, run, steps=2, checkpoint_every=1, stats_every=1)
+    assert read_sampling(d) == older
+    width = sum(s.sample_size for s in read_sites(d) if s.recorded)
+    assert read_step(d, 1)["sample"].size == width > read_step(d, 0)["sample"].size

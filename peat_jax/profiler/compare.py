@@ -10,7 +10,9 @@ What "beyond noise" means here:
     does not differ (identical programs on XLA:CPU are bitwise reproducible);
   * the first site that differs at all (the *first difference*) is where a difference enters: it
     is diagnosed by `detect(analyze(sample_b, sample_a))`; `exact` / `numerical_noise` are noise,
-    any other model is the divergence;
+    any other model is the divergence (samples of small outputs hold a few values, too few for
+    the Detector's ratio test: where it finds no model but the sampled values, abs-max and RMS
+    all changed by one factor, that is `wrong_scale`);
   * downstream of the first difference the inputs of every site already differ, so its noise
     is the propagated one: a later site diverges when its difference is new non-finite values,
     or larger than `PROPAGATED_RTOL` (relative RMS of the sample difference) and its diagnosis
@@ -33,8 +35,8 @@ from peat_jax.precision import at_matmul_precision
 from peat_jax.profiler.golden import available_checkpoints, load_workload, restore
 from peat_jax.profiler.hostio import quiet, to_device
 from peat_jax.profiler.rundir import PathLike, RunDir, atomic_write_json, recorded_precision
-from peat_jax.profiler.site_stats import (STATISTICS, StatsSite, StatsStep, read_sites,
-                                          read_step, recorded_steps, unpack)
+from peat_jax.profiler.site_stats import (STATISTICS, StatsSite, StatsStep, read_sampling,
+                                          read_sites, read_step, recorded_steps, unpack)
 from peat_jax.profiler.workload import Workload
 
 __all__ = ["PROPAGATED_RTOL", "Comparison", "EnvironmentRow", "Finding", "ReplayFinding",
@@ -48,6 +50,12 @@ one is no longer taken for propagated noise (it is then diagnosed)."""
 OUTSIDE_SAMPLE_RTOL = 1e-5
 """When two samples are equal but the checksums differ, the largest relative difference of RMS
 and abs-max still called noise."""
+
+SCALE_RTOL = 1e-4
+"""Relative spread within which the sampled values, abs-max and RMS of a site output are read as
+scaled by one factor, where the Detector found no model in a sample too small for its ratio
+test (it needs two values above the sample's RMS). Float32 sums of a scaled output round well
+below it; a factor this close to 1 is not called a scale."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,6 +346,11 @@ def _same_sites(ra: RunDir, rb: RunDir) -> list[StatsSite]:
         raise PeatError(f"{ra.path} and {rb.path} recorded different sites (first: "
                         f"{diff[0] and diff[0].label()} vs {diff[1] and diff[1].label()}): they "
                         "are not runs of the same train step")
+    if read_sampling(ra.site_stats) != read_sampling(rb.site_stats):
+        raise PeatError(f"{ra.path} and {rb.path} sampled the site outputs differently "
+                        f"({read_sampling(ra.site_stats)} vs {read_sampling(rb.site_stats)} in "
+                        "their sites.json: one was profiled by an older peat_jax); profile "
+                        "both with the same peat_jax")
     return sa
 
 
@@ -437,7 +450,7 @@ def replay_divergence(comparison: Comparison, *,
                         "replay")
     start = max(before)
     with quiet(), at_matmul_precision(recorded_precision(manifest)):
-        stepper = StatsStep(wl.train_step)
+        stepper = StatsStep(wl.train_step, sampling=read_sampling(ra.site_stats))
         state = restore(ra.path, start, workload=wl)
         for i in range(start, d.step):
             state, _ = stepper.plain(state, to_device(wl.batch(i)))
@@ -503,8 +516,16 @@ def _diagnose(site: StatsSite, row: int, a: dict, b: dict, rel: float) -> Diagno
     sa, sb = _sample(site, a), _sample(site, b)
     if sa.tobytes() != sb.tobytes():
         dtype = jnp.dtype(site.dtype)
-        return detect(analyze(np.asarray(sb).astype(dtype), np.asarray(sa).astype(dtype),
-                              reduction_length=site.reduction_length))
+        found = detect(analyze(np.asarray(sb).astype(dtype), np.asarray(sa).astype(dtype),
+                               reduction_length=site.reduction_length))
+        factor = None if found.model not in ("random_value", "unknown") else \
+            _common_scale(site, row, a, b)
+        if factor is None:
+            return found
+        return Diagnosis("wrong_scale", False, 0.8,
+                         {"ratio": factor, "sample_size": site.sample_size, "scalars": True},
+                         f"fails: wrong_scale, the output is {factor:.6g}x the reference (every "
+                         f"value of the {site.sample_size}-value sample, abs-max and RMS)")
     evidence = {"outside_sample": True, "relative_difference": _finite_or_none(rel),
                 "nonfinite": [na, nb]}
     if nb > na:
@@ -518,6 +539,26 @@ def _diagnose(site: StatsSite, row: int, a: dict, b: dict, rel: float) -> Diagno
     return Diagnosis("unknown", False, 0.5, evidence,
                      f"fails: unknown, the sample is equal but RMS / abs-max differ by {rel:.2g} "
                      "relative (outside the recorded sample)")
+
+
+def _common_scale(site: StatsSite, row: int, a: dict, b: dict) -> Optional[float]:
+    """The factor by which run b's output of `site` is run a's, when its nonzero sampled values,
+    abs-max and RMS all agree on one within `SCALE_RTOL` (and sampled zeros stay zero), and it
+    is not 1; else None."""
+    import jax.numpy as jnp
+    if not jnp.issubdtype(jnp.dtype(site.dtype), jnp.floating):
+        return None
+    sa, sb = _sample(site, a).astype(np.float64), _sample(site, b).astype(np.float64)
+    nonzero = sa != 0
+    scalars = [float(b[k][row]) / float(a[k][row]) for k in ("absmax", "rms") if a[k][row] != 0]
+    ratios = np.concatenate([sb[nonzero] / sa[nonzero], scalars])
+    if ratios.size < 3 or not np.all(np.isfinite(ratios)) or np.any(sb[~nonzero] != 0):
+        return None
+    factor = float(np.median(ratios))
+    tol = max(SCALE_RTOL, 8 * float(jnp.finfo(site.dtype).eps))
+    if np.max(np.abs(ratios - factor)) > tol * abs(factor) or abs(factor - 1) <= 10 * tol:
+        return None
+    return factor
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from peat_jax.profiler.hostio import quiet, to_device
 from peat_jax.profiler.rundir import (FORMAT, PathLike, RunDir, append_jsonl, atomic_write_json,
                                       environment, platform_info, recorded_precision,
                                       rewrite_jsonl, run_identity)
-from peat_jax.profiler.site_stats import StatsStep, write_sites, write_step
+from peat_jax.profiler.site_stats import (ChunkWriter, Sampling, StatsStep, drop_steps,
+                                          read_sampling, write_sites)
 from peat_jax.profiler.workload import Workload, workload_factory
 
 __all__ = ["GoldenRun", "checkpoint_steps", "load_workload", "profile", "restore", "scalar_metrics",
@@ -316,8 +317,8 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
     Args:
       stats_every: K: every K-th step (0, K, 2K, ...) runs with site statistics: for every site
         output, forward and backward, a compact record computed on the device in the same
-        jitted step (see `peat_jax.profiler.site_stats`), written to
-        `golden/site_stats/<step>.npz`; the steps in between run the plain step, and the
+        jitted step (see `peat_jax.profiler.site_stats`), written to `golden/site_stats/` (one
+        file per checkpoint interval); the steps in between run the plain step, and the
         trajectory is bitwise the one without statistics. `peat.compare` reads them.
       substitution: `{selector: kernel or fault}`: the candidate replaces the op at its sites
         for the whole run (a golden-style run "trained with my kernel"); the manifest records
@@ -334,7 +335,7 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
     precision = None if precision is None else matmul_precision(precision)
     rd = RunDir(run_dir, create=True)
     with at_matmul_precision(precision):
-        stepper = StatsStep(workload.train_step, substitution)
+        stepper = StatsStep(workload.train_step, substitution, sampling=_sampling(rd))
         stats_sites, record = None, None
         if stats_every or substitution:  # trace the step once, on a fresh state and batch 0
             probe = (workload.init(jax.random.key(seed)), to_device(workload.batch(0)))
@@ -343,13 +344,21 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
         manifest = _manifest(workload, seed, steps, every, stats_every, record)
         resumed_from = _resume_point(rd, manifest, steps)
         if stats_every:
-            write_sites(rd.site_stats, stats_sites)
+            write_sites(rd.site_stats, stats_sites, stepper.sampling)
         state = _train(workload, rd, manifest, _Stepper(stepper, stats_every, stats_sites),
                        seed, steps, every, resumed_from, progress)
         evaluation = dict(workload.evaluate(state)) if workload.evaluate is not None else {}
     atomic_write_json(rd.eval_path, {"step": steps, **{k: float(v) for k, v in evaluation.items()}})
     return GoldenRun(str(rd.path), workload.name, steps, tuple(available_checkpoints(rd)),
                      tuple(rd.golden_losses()), evaluation, resumed_from)
+
+
+def _sampling(rd: RunDir) -> Sampling:
+    """The sampling of the run that `rd` holds (a resumed run keeps sampling as it began, also
+    when an older peat_jax began it), or this version's for a new run."""
+    if rd.has_manifest() and (rd.site_stats / "sites.json").exists():
+        return read_sampling(rd.site_stats)
+    return Sampling()
 
 
 def _positive_int(name: str, v: Any) -> int:
@@ -397,18 +406,17 @@ class _Stepper:
     stats_every: Optional[int]
     stats_sites: Any
 
-    def __call__(self, rd: RunDir, i: int, state, batch):
-        """The new state and metrics of step i (its statistics written when it has them)."""
+    def __call__(self, i: int, state, batch):
+        """The new state, metrics and `pack`ed statistics of step i (device arrays; None for a
+        step without statistics)."""
         if not (self.stats_every and i % self.stats_every == 0):
-            return self.step.plain(state, batch)
+            return (*self.step.plain(state, batch), None)
         state, metrics, stats = self.step.with_stats(state, batch)
-        stats = jax.device_get(stats)
         if len(stats["words"]) != sum(s.recorded for s in self.stats_sites):
             raise PeatError(f"site statistics of {len(stats['words'])} sites came out of the step, "
                             f"{len(self.stats_sites)} were expected: a container the statistics "
                             "cannot pass through; please report it")
-        write_step(rd.site_stats, i, stats)
-        return state, metrics
+        return state, metrics, stats
 
 
 def _check_layout(workload: Workload, state, declared, i: int) -> None:
@@ -446,23 +454,28 @@ def _train(workload: Workload, rd: RunDir, manifest: dict, stepper: _Stepper, se
                 # drop metrics logged after the checkpoint we resume from (a kill between them)
                 rewrite_jsonl(rd.metrics_path, rd.golden_metrics(upto=start))
                 rd.write_manifest(manifest)
+            drop_steps(rd.site_stats, start)  # ... and their statistics
             if start not in available_checkpoints(rd) and start in wanted:
                 _record_digest(rd, identity, start, state)
                 mgr.save(start, args=ocp.args.StandardSave(state))
-            pending = []
+            pending, stats = [], ChunkWriter(rd.site_stats)
             for i in range(start, steps):
-                state, metrics = stepper(rd, i, state, to_device(workload.batch(i)))
+                state, metrics, packed = stepper(i, state, to_device(workload.batch(i)))
                 pending.append({"step": i, **scalar_metrics(metrics)})
+                if packed is not None:
+                    stats.add(i, packed)
                 if (i + 1) in wanted:
                     _check_layout(workload, state, declared, i)
                     append_jsonl(rd.metrics_path, pending)
                     pending = []
+                    stats.flush()
                     _record_digest(rd, identity, i + 1, state)
                     mgr.save(i + 1, args=ocp.args.StandardSave(state), force=True)
                     mgr.wait_until_finished()
                 if progress is not None:
                     progress(i + 1, steps)
             append_jsonl(rd.metrics_path, pending)
+            stats.flush()
         finally:
             mgr.close()
     return state

@@ -10,8 +10,10 @@ Layout:
                                damaged checkpoint or a manifest from another run is an error, not
                                silently different numbers
   golden/eval.json             held-out metrics of the final golden state
-  golden/site_stats/           per-site statistics (profile(stats_every=K)): sites.json and one
-                               pickle-free <step>.npz per statistics step (see site_stats.py)
+  golden/site_stats/           per-site statistics (profile(stats_every=K)): sites.json and
+                               pickle-free <first>-<last>.npz files, each the statistics steps
+                               between two checkpoints (at most CHUNK_STEPS of them; see
+                               site_stats.py; runs profiled before hold one <step>.npz a step)
   campaigns/<name>/...         playback and runtime results; while a named runtime run is
                                unfinished, runtime.partial.json (its spec and progress) and
                                runtime-state/<step>/ (Orbax checkpoints of its injected state at
@@ -59,14 +61,16 @@ def to_json(obj: Any) -> str:
     return json.dumps(obj, default=_json_default, separators=(",", ":"), sort_keys=False)
 
 
-def atomic_write_json(path: PathLike, obj: Any) -> None:
-    """Write `obj` as JSON to `path` via a temporary file and a rename (never a half file)."""
+def atomic_write_json(path: PathLike, obj: Any, *, indent: Optional[int] = 2) -> None:
+    """Write `obj` as JSON to `path` via a temporary file and a rename (never a half file);
+    `indent=None`: compact (no whitespace)."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, default=_json_default)
+            json.dump(obj, f, indent=indent, default=_json_default,
+                      separators=None if indent is not None else (",", ":"))
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())

@@ -14,8 +14,8 @@ without one), a small `SiteStats` record, on the device, inside the one jitted s
              moved element changes it (uint32)
              (absmax, mean and rms are NaN or inf when the output holds non-finite values, or
              when its squares overflow float32)
-  sample     the values at `sample_indices(n)`: up to `SAMPLE_SIZE` evenly spaced flat indices,
-             the same at every step (float32)
+  sample     the values at `sample_indices(n)`: max(1, n // `SAMPLE_DENSITY`) evenly spaced flat
+             indices, at most `SAMPLE_SIZE`, the same at every step (float32)
 
 The outputs of the sites outside any `scan` are carried to the end of the step and reduced
 together (`batch_stats`: the small ones padded into one buffer of `BLOCK`-element blocks, so the
@@ -28,18 +28,34 @@ root of the mean square, `checksum` the iterations' checksums combined with odd 
 sample position i). Sites inside `while` or `cond` bodies are not recorded (their outputs cannot
 be carried out of the loop or branch): `sites.json` marks them `"recorded": false`.
 
-On disk (`golden/site_stats/`, see `peat_jax.profiler.rundir`): `sites.json` (one entry per site
-of the train step: index, primitive, path, phase, output shape and dtype, the sample's size and
-offset, whether it is recorded) and one `<step>.npz` per statistics step (written by
-`np.savez_compressed`, no pickled objects), holding the statistics stacked over the
-recorded sites in index order: `floats` float32 [S, 4] (absmax, mean, rms, zeros), `words`
-uint32 [S, 2] (nonfinite, checksum) and `sample` (float32, all recorded sites' samples
-concatenated: a site's at `offset .. offset + sample_size` as `sites.json` says).
+On disk (`golden/site_stats/`, see `peat_jax.profiler.rundir`): `sites.json` (compact JSON: the
+`Sampling`, the `StatsSite` field names, and one row of them per site of the train step: index,
+primitive, path, phase, output shape and dtype, the sample's size and offset, whether it is
+recorded) and the statistics steps in
+chunks, `<first>-<last>.npz` (written by `np.savez_compressed`, no pickled objects): the golden
+run buffers the steps between two checkpoints and writes them as one file before it saves the
+checkpoint (and at the end, or once `CHUNK_STEPS` are buffered), holding `steps` int64 [T] and
+the statistics stacked over those steps and the recorded sites in index order: `floats` float32
+[T, S, 4] (absmax, mean, rms, zeros), `words` uint32 [T, S, 2] (nonfinite, checksum) and
+`sample` float32 [T, M] (all recorded sites' samples concatenated: a site's at `offset ..
+offset + sample_size` as `sites.json` says). Runs profiled before chunks hold one `<step>.npz` a
+step (the same arrays, unstacked); `recorded_steps` and `read_step` read both. A resumed run
+drops the statistics of the steps it redoes (`drop_steps`).
+
+Bytes per step, measured on the vision workload (44 recorded sites whose outputs take 378 KB,
+statistics at every step, one 10-step chunk): the 500-value sample 1.7 KB compressed, `floats`
+0.5 KB, `words` 0.2 KB, `sites.json` (3.2 KB once) 0.3 KB: 0.73% of a dump of the same outputs
+(`benchmarks/bench_profiler.py`'s `stats_storage_ratio_vision`; 2.5% with a 64-value sample per
+site, a file per step and an indented sites.json).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import pathlib
+import re
+import zipfile
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import jax
@@ -52,12 +68,24 @@ from peat_jax.errors import PeatError
 from peat_jax.sites import Site, Traced, Tracer
 from peat_jax.substitute import Candidate, Substitution, fault_key, make_rules, resolve, run_rules
 
-__all__ = ["ALONE", "BLOCK", "SAMPLE_SIZE", "STATISTICS", "SiteStats", "StatsSite", "StatsStep",
-           "batch_stats", "describe_sites", "pack", "read_sites", "read_step", "recorded_steps", "reduce_iterations",
-           "sample_indices", "site_stats", "unpack", "write_sites", "write_step"]
+__all__ = ["ALONE", "BLOCK", "CHUNK_STEPS", "ChunkWriter", "SAMPLE_DENSITY", "SAMPLE_SIZE",
+           "STATISTICS", "Sampling", "SiteStats", "StatsSite", "StatsStep", "batch_stats",
+           "describe_sites", "drop_steps", "pack", "read_sampling", "read_sites", "read_step",
+           "recorded_steps", "reduce_iterations", "sample_indices", "site_stats", "unpack",
+           "write_chunk", "write_sites"]
 
 SAMPLE_SIZE = 64
-"""Elements of each site output kept as its fixed-index sample (fewer for smaller outputs)."""
+"""Most elements of a site output kept as its fixed-index sample."""
+
+SAMPLE_DENSITY = 128
+"""Elements of a site output per sampled element: an output of n elements keeps
+max(1, n // SAMPLE_DENSITY) of them (at most `SAMPLE_SIZE`), so its sample stays under 1% of
+its bytes (most outputs of a small model hold a few hundred elements, where a fixed 64 would be
+a tenth of the output)."""
+
+CHUNK_STEPS = 256
+"""Most statistics steps buffered before they are written as one file (a run with rare
+checkpoints stays bounded in memory)."""
 
 STATISTICS = ("nonfinite", "absmax", "mean", "rms", "zeros", "checksum")
 """The scalar statistics of a `SiteStats`, in file order."""
@@ -122,10 +150,20 @@ class StatsSite:
         return cls(**kw)
 
 
-def sample_indices(n: int, size: int = SAMPLE_SIZE) -> np.ndarray:
-    """The flat indices sampled from an output of `n` elements: `min(n, size)` evenly spaced
-    indices `i * n // m` (int32), the same for every step."""
-    m = min(int(n), int(size))
+class Sampling(NamedTuple):
+    """Which elements of an output its sample keeps: `min(n, size, max(1, n // density))`
+    evenly spaced ones (`sample_indices`). A run's sampling is recorded in `sites.json`."""
+
+    size: int = SAMPLE_SIZE
+    density: int = SAMPLE_DENSITY
+
+
+def sample_indices(n: int, sampling: Sampling = Sampling()) -> np.ndarray:
+    """The flat indices sampled from an output of `n` elements: `m = min(n, sampling.size,
+    max(1, n // sampling.density))` evenly spaced indices `i * n // m` (int32), the same for
+    every step."""
+    n = int(n)
+    m = min(n, int(sampling.size), max(1, n // int(sampling.density)))
     return (np.arange(m, dtype=np.int64) * int(n) // max(m, 1)).astype(np.int32)
 
 
@@ -162,7 +200,7 @@ class _Layout(NamedTuple):
     sample: np.ndarray       # int32 [sum m_i]: the samples' flat indices in the buffer
 
 
-def _layout(sizes: Sequence[int], size: int) -> _Layout:
+def _layout(sizes: Sequence[int], sampling: Sampling) -> _Layout:
     n = np.asarray(sizes, np.int64)
     blocks = -(-n // BLOCK)
     first = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
@@ -172,7 +210,7 @@ def _layout(sizes: Sequence[int], size: int) -> _Layout:
     for i, (f, b) in enumerate(zip(first, blocks)):
         fold[i, :b] = np.arange(f, f + b)
         offsets[f:f + b] = np.arange(b, dtype=np.uint32) * np.uint32(BLOCK)
-    sample = np.concatenate([f * BLOCK + sample_indices(k, size) for f, k in zip(first, n)])
+    sample = np.concatenate([f * BLOCK + sample_indices(k, sampling) for f, k in zip(first, n)])
     return _Layout(sizes=n, pads=(blocks * BLOCK - n).astype(np.int32), first_block=first,
                    offsets=offsets, fold=fold, sample=sample.astype(np.int32))
 
@@ -193,7 +231,7 @@ def _row_sums(values: jax.Array, offsets: jax.Array):
             jnp.sum(bits * (i * jnp.uint32(2) + jnp.uint32(1)), axis=1, dtype=jnp.uint32))
 
 
-def batch_stats(xs: Sequence[jax.Array], size: int = SAMPLE_SIZE) -> SiteStats:
+def batch_stats(xs: Sequence[jax.Array], sampling: Sampling = Sampling()) -> SiteStats:
     """The `SiteStats` of each output in `xs` (non-empty arrays), stacked: every field [len(xs)]
     and `sample` the samples concatenated in order. Jittable, and a handful of kernels whatever
     the number of outputs: outputs under `ALONE` elements are padded to whole blocks and
@@ -205,10 +243,10 @@ def batch_stats(xs: Sequence[jax.Array], size: int = SAMPLE_SIZE) -> SiteStats:
     groups = [g for g in ([i for i in rest if xs[i].dtype == jnp.float32],
                           [i for i in rest if xs[i].dtype != jnp.float32]) if g]
     alone = [i for i, x in enumerate(xs) if x.size >= ALONE]
-    lengths = lambda idx: [len(sample_indices(xs[i].size, size)) for i in idx]  # noqa: E731
-    parts = [(g, lengths(g), _blocked_stats([xs[i] for i in g], size)) for g in groups]
+    lengths = lambda idx: [len(sample_indices(xs[i].size, sampling)) for i in idx]  # noqa: E731
+    parts = [(g, lengths(g), _blocked_stats([xs[i] for i in g], sampling)) for g in groups]
     if alone:
-        parts.append((alone, lengths(alone), _stacked([site_stats(xs[i], size) for i in alone])))
+        parts.append((alone, lengths(alone), _stacked([site_stats(xs[i], sampling) for i in alone])))
     return _in_order(parts)
 
 
@@ -234,9 +272,9 @@ def _in_order(parts: Sequence[tuple[list[int], list[int], SiteStats]]) -> SiteSt
                      sample=jnp.concatenate([r.sample for _, _, r in parts])[elements])
 
 
-def _blocked_stats(xs: Sequence[jax.Array], size: int) -> SiteStats:
+def _blocked_stats(xs: Sequence[jax.Array], sampling: Sampling) -> SiteStats:
     """`batch_stats` of outputs that are all float32, or none of them."""
-    L = _layout([x.size for x in xs], size)
+    L = _layout([x.size for x in xs], sampling)
     flats = [x.reshape(-1) for x in xs]
 
     def buffer(parts, dtype):
@@ -269,7 +307,7 @@ def _blocked_stats(xs: Sequence[jax.Array], size: int) -> SiteStats:
                      sample=values.reshape(-1)[jnp.asarray(L.sample)])
 
 
-def site_stats(x: jax.Array, size: int = SAMPLE_SIZE) -> SiteStats:
+def site_stats(x: jax.Array, sampling: Sampling = Sampling()) -> SiteStats:
     """The `SiteStats` of one output `x` (jittable), computed where it is (no copy): what a site
     inside a `scan` records per iteration. Four reductions over `x` (sum, sum of squares,
     abs-max and zeros, checksum); the non-finite count takes a fifth only when the sums are not
@@ -286,7 +324,7 @@ def site_stats(x: jax.Array, size: int = SAMPLE_SIZE) -> SiteStats:
     checksum = jnp.sum(_bits32(flat) * weights, dtype=jnp.uint32)
     return SiteStats(nonfinite=nonfinite, absmax=jnp.max(jnp.abs(v)), mean=total / n,
                      rms=jnp.sqrt(squares / n), zeros=jnp.sum(jnp.where(v == 0, 1.0, 0.0)) / n,
-                     checksum=checksum, sample=v[jnp.asarray(sample_indices(n, size))])
+                     checksum=checksum, sample=v[jnp.asarray(sample_indices(n, sampling))])
 
 
 def reduce_iterations(stacked: SiteStats) -> SiteStats:
@@ -331,14 +369,14 @@ def _reduction_length(site: Site) -> Optional[int]:
     return int(math.prod(site.in_shapes[0][d] for d in lhs_contract)) or None
 
 
-def describe_sites(sites: Sequence[Site], size: int = SAMPLE_SIZE) -> list[StatsSite]:
+def describe_sites(sites: Sequence[Site], sampling: Sampling = Sampling()) -> list[StatsSite]:
     """`StatsSite` of every site, with sample offsets assigned in index order."""
     out, offset = [], 0
     for s in sites:
         k = _recorded_output(s)
         shape = tuple(s.out_shapes[k if k is not None else 0]) if s.out_shapes else ()
         dtype = s.out_dtypes[k if k is not None else 0] if s.out_dtypes else "none"
-        m = len(sample_indices(math.prod(shape), size)) if k is not None else 0
+        m = len(sample_indices(math.prod(shape), sampling)) if k is not None else 0
         out.append(StatsSite(index=s.index, primitive=s.primitive, path=s.path, phase=s.phase,
                              shape=shape, dtype=str(np.dtype(dtype)) if _numeric(dtype) else str(dtype),
                              output=k if k is not None else -1, repeats=s.repeats,
@@ -355,14 +393,16 @@ class StatsStep:
     `plain(state, batch) -> (state, metrics)` and `with_stats(state, batch) -> (state, metrics,
     packed statistics)` (see `pack`) are jitted. Without a substitution `plain` is `jit(train_step)`
     itself; the statistics read the site outputs without changing what flows on, so both give
-    bitwise the same state and metrics (tests/test_site_stats.py checks it).
+    bitwise the same state and metrics (tests/test_site_stats.py checks it). `sampling` says
+    which elements each site's sample keeps (a recorded run's own, `read_sampling`, to replay
+    one of its steps).
     """
 
     def __init__(self, train_step, substitution: Optional[Substitution] = None, *,
-                 sample_size: int = SAMPLE_SIZE):
+                 sampling: Sampling = Sampling()):
         self._tracer = Tracer(train_step)
         self._substitution = dict(substitution or {})
-        self._size = int(sample_size)
+        self.sampling = Sampling(int(sampling.size), int(sampling.density))
         self._train_step = train_step
         self.plain = jax.jit(self._plain if self._substitution else train_step)
         self.with_stats = jax.jit(self._with_stats)
@@ -374,7 +414,7 @@ class StatsStep:
 
     def sites(self, state, batch) -> list[StatsSite]:
         """The `StatsSite` of every site of the train step on these arguments."""
-        return describe_sites(self.traced(state, batch)[0].sites, self._size)
+        return describe_sites(self.traced(state, batch)[0].sites, self.sampling)
 
     def substituted(self, state, batch) -> list[Site]:
         """The sites the substitution puts its candidates at."""
@@ -392,14 +432,14 @@ class StatsStep:
         rules = dict(base)
         recorded = [s for s in traced.sites if _recorded_output(s) is not None]
         for s in recorded:
-            rules[s.index] = _stats_rule(base.get(s.index), _recorded_output(s), self._size,
+            rules[s.index] = _stats_rule(base.get(s.index), _recorded_output(s), self.sampling,
                                          mapped=bool({"scan", "shard_map"} & set(s.scope)))
         (state, metrics), sides = run_rules(traced, rules, (state, batch), {}, with_sides=True)
         return state, metrics, pack([sides[s.index] for s in recorded if s.index in sides],
-                                    self._size)
+                                    self.sampling)
 
 
-def pack(sides: Sequence[Any], size: int = SAMPLE_SIZE) -> dict[str, jax.Array]:
+def pack(sides: Sequence[Any], sampling: Sampling = Sampling()) -> dict[str, jax.Array]:
     """One step's records (recorded sites in index order: a site's output itself, or the
     `SiteStats` reduced over a scan's iterations) as the three arrays of a step file: `floats`
     float32 [S, 4] (absmax, mean, rms, zeros), `words` uint32 [S, 2] (nonfinite, checksum) and
@@ -409,8 +449,8 @@ def pack(sides: Sequence[Any], size: int = SAMPLE_SIZE) -> dict[str, jax.Array]:
     reduced = [i for i, x in enumerate(sides) if isinstance(x, SiteStats)]
     parts = []
     if outputs:
-        parts.append((outputs, [len(sample_indices(sides[i].size, size)) for i in outputs],
-                      batch_stats([sides[i] for i in outputs], size)))
+        parts.append((outputs, [len(sample_indices(sides[i].size, sampling)) for i in outputs],
+                      batch_stats([sides[i] for i in outputs], sampling)))
     if reduced:
         parts.append((reduced, [sides[i].sample.shape[0] for i in reduced],
                       _stacked([sides[i] for i in reduced])))
@@ -424,7 +464,7 @@ def pack(sides: Sequence[Any], size: int = SAMPLE_SIZE) -> dict[str, jax.Array]:
             "sample": r.sample.astype(jnp.float32)}
 
 
-def _stats_rule(base, k: int, size: int, mapped: bool):
+def _stats_rule(base, k: int, sampling: Sampling, mapped: bool):
     """A rule that computes the site's outputs as `base` does (the reference op when None) and
     returns as the side its output `k` (its statistics are computed with every other site's
     at the end of the step, `pack`), or, `mapped` (inside a `scan` or a `shard_map` body), that
@@ -433,7 +473,7 @@ def _stats_rule(base, k: int, size: int, mapped: bool):
     def rule(op, invals, reference):
         outs = list(base(op, invals, reference) if base is not None else reference(*invals))
         if mapped:
-            return _ip.WithSide(outs, site_stats(outs[k], size), reduce_iterations)
+            return _ip.WithSide(outs, site_stats(outs[k], sampling), reduce_iterations)
         return _ip.WithSide(outs, outs[k], _outside_scans)
 
     return rule
@@ -447,59 +487,194 @@ def _outside_scans(stacked):
 # --------------------------------------------------------------------------------------------
 # On disk
 
-def write_sites(directory, sites: Sequence[StatsSite], sample_size: int = SAMPLE_SIZE) -> None:
-    """Write `sites.json` into `directory`."""
+_FIELDS = tuple(f.name for f in dataclasses.fields(StatsSite))
+
+
+def write_sites(directory, sites: Sequence[StatsSite], sampling: Sampling = Sampling()) -> None:
+    """Write `sites.json` into `directory`: compact JSON, the sites as rows of `fields` (each
+    field named once, not once per site)."""
     from peat_jax.profiler.rundir import atomic_write_json
-    atomic_write_json(directory / "sites.json", {"sample_size": int(sample_size),
+    rows = [[s.to_json()[f] for f in _FIELDS] for s in sites]
+    atomic_write_json(directory / "sites.json", {"sample_size": int(sampling.size),
+                                                 "sample_density": int(sampling.density),
                                                  "statistics": list(STATISTICS),
-                                                 "sites": [s.to_json() for s in sites]})
+                                                 "fields": list(_FIELDS), "sites": rows},
+                      indent=None)
 
 
-def read_sites(directory) -> list[StatsSite]:
-    """The `StatsSite`s of `directory/sites.json`; a PeatError if it is missing or damaged."""
+def _sites_json(directory) -> dict:
+    """{"sites": the `StatsSite`s, "sampling": the `Sampling`} of `directory/sites.json`."""
     import json
     p = directory / "sites.json"
     if not p.exists():
         raise PeatError(f"{p} is missing: this run recorded no site statistics; profile it with "
                         "stats_every=K (`peat profile --stats-every K`)")
     try:
-        return [StatsSite.from_json(d) for d in json.loads(p.read_text())["sites"]]
-    except (ValueError, KeyError, TypeError) as e:
+        d = json.loads(p.read_text())
+        entries = ([dict(zip(d["fields"], row)) for row in d["sites"]] if "fields" in d
+                   else d["sites"])  # runs profiled before rows: one object per site
+        return {"sites": [StatsSite.from_json(s) for s in entries],
+                # runs profiled before `sample_density` existed sampled min(n, size) elements
+                "sampling": Sampling(int(d.get("sample_size", SAMPLE_SIZE)),
+                                     int(d.get("sample_density", 1)))}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise PeatError(f"{p} is damaged ({e}); profile the run again into a new "
                         "directory") from None
 
 
-def write_step(directory, step: int, packed: Mapping[str, Any]) -> None:
-    """Write `<step>.npz` (`np.savez_compressed`, pickle-free) from the host copy of one step's
-    `pack`ed statistics."""
+def read_sites(directory) -> list[StatsSite]:
+    """The `StatsSite`s of `directory/sites.json`; a PeatError if it is missing or damaged."""
+    return _sites_json(directory)["sites"]
+
+
+def read_sampling(directory) -> Sampling:
+    """The `Sampling` the run of `directory/sites.json` recorded its samples with."""
+    return _sites_json(directory)["sampling"]
+
+
+_CHUNK = re.compile(r"(\d+)-(\d+)")
+_ARRAYS = ("floats", "words", "sample")  # a statistics file's arrays besides `steps`
+
+
+def write_chunk(directory, steps: Sequence[int], packed: Sequence[Mapping[str, Any]]) -> None:
+    """Write the host copies of several steps' `pack`ed statistics as one file,
+    `<first>-<last>.npz` (`np.savez_compressed`, pickle-free, via a temporary file and a
+    rename): `steps` int64 [T] and each of `floats`, `words`, `sample` stacked over the steps."""
+    arrays = {"steps": np.asarray(steps, np.int64),
+              **{k: np.stack([np.asarray(p[k]) for p in packed]) for k in _ARRAYS}}
+    _write_npz(directory, f"{int(steps[0])}-{int(steps[-1])}.npz", arrays)
+
+
+def _write_npz(directory, name: str, arrays: Mapping[str, np.ndarray]) -> None:
     import os
     import tempfile
-    arrays = {k: np.asarray(v) for k, v in packed.items()}
     directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{step}.", suffix=".npz")
-    with os.fdopen(fd, "wb") as f:
-        np.savez_compressed(f, **arrays)
-    os.replace(tmp, directory / f"{int(step)}.npz")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".npz")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez_compressed(f, **arrays)
+        os.replace(tmp, directory / name)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class ChunkWriter:
+    """Buffers the statistics of a golden run's steps as the step returned them (device arrays:
+    the step does not wait for them) and writes them as one `write_chunk` file at `flush` (the
+    golden run flushes before each checkpoint and at the end) or once `chunk_steps` are
+    buffered."""
+
+    def __init__(self, directory, chunk_steps: int = CHUNK_STEPS):
+        self._directory, self._chunk_steps = directory, int(chunk_steps)
+        self._steps: list[int] = []
+        self._packed: list[Any] = []
+
+    def add(self, step: int, packed: Mapping[str, Any]) -> None:
+        self._steps.append(int(step))
+        self._packed.append(packed)
+        if len(self._steps) >= self._chunk_steps:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered steps (if any) as one file and empty the buffer."""
+        if self._steps:
+            write_chunk(self._directory, self._steps, jax.device_get(self._packed))
+        self._steps, self._packed = [], []
+
+
+def _files(directory) -> list[tuple[int, int, Any]]:
+    """(first step, last step, path) of every statistics file in `directory`: chunks
+    `<first>-<last>.npz` and the `<step>.npz` of runs profiled before chunks, in step order."""
+    if not directory.exists():
+        return []
+    out = []
+    for p in directory.glob("*.npz"):
+        m = _CHUNK.fullmatch(p.stem)
+        if m:
+            out.append((int(m[1]), int(m[2]), p))
+        elif p.stem.isdigit():
+            out.append((int(p.stem), int(p.stem), p))
+    return sorted(out, key=lambda f: (f[0], f[1]))
+
+
+def _load(path) -> dict[str, np.ndarray]:
+    """The arrays of one statistics file, stacked over its steps (a `<step>.npz` as a chunk of
+    one step); cached by path, modification time and size, so a walk over many steps reads
+    each chunk once. A PeatError naming the file if it is damaged."""
+    try:
+        st = path.stat()
+        return _load_cached(str(path), st.st_mtime_ns, st.st_size)
+    except (OSError, ValueError, KeyError, IndexError, EOFError, zipfile.BadZipFile) as e:
+        raise PeatError(f"{path} cannot be read ({e}); it is damaged: profile the run again "
+                        "into a new directory") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(path: str, mtime_ns: int, size: int) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in _ARRAYS}
+        if "steps" not in z.files:  # a `<step>.npz`: one step, unstacked
+            step = int(pathlib.Path(path).stem)
+            return _read_only({"steps": np.asarray([step], np.int64),
+                               **{k: v[None] for k, v in arrays.items()}})
+        steps = z["steps"]
+    t = len(steps)
+    if steps.ndim != 1 or any(v.shape[:1] != (t,) for v in arrays.values()) or \
+            arrays["floats"].ndim != 3 or arrays["words"].ndim != 3:
+        raise ValueError("its arrays are not stacked over its steps")
+    return _read_only({"steps": steps.astype(np.int64), **arrays})
+
+
+def _read_only(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`arrays`, made read-only: they are cached and shared by every reader."""
+    for v in arrays.values():
+        v.flags.writeable = False
+    return arrays
 
 
 def recorded_steps(directory) -> list[int]:
-    """The steps with a statistics file in `directory`, in order."""
-    if not directory.exists():
-        return []
-    return sorted(int(p.stem) for p in directory.glob("*.npz") if p.stem.isdigit())
+    """The steps with statistics in `directory`, in order."""
+    steps: set[int] = set()
+    for first, last, p in _files(directory):  # a one-step file's name says its step
+        steps.update(_load(p)["steps"].tolist() if first != last else [first])
+    return sorted(steps)
 
 
 def read_step(directory, step: int) -> dict[str, np.ndarray]:
-    """The statistics of `<step>.npz` (read with `allow_pickle=False`): one array per name of
+    """The statistics of one step (read with `allow_pickle=False`): one array per name of
     `STATISTICS` over the recorded sites in index order, and `sample`; a PeatError if the file
-    is damaged."""
-    p = directory / f"{int(step)}.npz"
-    try:
-        with np.load(p, allow_pickle=False) as z:
-            return unpack({k: z[k] for k in ("floats", "words", "sample")})
-    except (OSError, ValueError, KeyError, IndexError) as e:
-        raise PeatError(f"{p} cannot be read ({e}); it is damaged: profile the run again into "
-                        "a new directory") from None
+    holding it is damaged, or none holds it."""
+    step = int(step)
+    for first, last, p in _files(directory):
+        if first <= step <= last:
+            arrays = _load(p)
+            hit = np.flatnonzero(arrays["steps"] == step)
+            if hit.size:
+                return unpack({k: arrays[k][hit[0]] for k in _ARRAYS})
+    raise PeatError(f"{directory} holds no statistics of step {step} (recorded: "
+                    f"{_shown(recorded_steps(directory))}); compare the steps both runs recorded")
+
+
+def _shown(steps: Sequence[int]) -> str:
+    return (", ".join(map(str, steps[:10])) + (" ..." if len(steps) > 10 else "")) or "none"
+
+
+def drop_steps(directory, start: int) -> None:
+    """Remove the statistics of steps >= `start` from `directory` (a resumed golden run records
+    them again): files holding only such steps are deleted, a chunk holding steps on both sides
+    is rewritten with its steps < `start`."""
+    for first, last, p in _files(directory):
+        if last < start:
+            continue
+        if first < start:
+            arrays = _load(p)
+            keep = arrays["steps"] < start
+            kept = arrays["steps"][keep]
+            _write_npz(directory, f"{first}-{int(kept[-1])}.npz",
+                       {k: v[keep] for k, v in arrays.items()})
+        p.unlink()
 
 
 def unpack(packed: Mapping[str, Any]) -> dict[str, np.ndarray]:
