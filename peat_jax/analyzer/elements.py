@@ -111,12 +111,20 @@ def _select(flag, a, b):
 
 
 def _noise_scale(s: Scales, rows, cols):
+    """`Local.noise` at elements (rows, cols): see `local_scale`."""
     use_row, use_col = s.cols >= _THIN, s.rows >= _THIN
-    return _select(
-        use_row & use_col, lambda: jnp.minimum(s.E_row[rows], s.E_col[cols]),
-        lambda: _select(use_row, lambda: s.E_row[rows],
-                        lambda: _select(use_col, lambda: s.E_col[cols],
-                                        lambda: jnp.broadcast_to(s.E, jnp.shape(rows)))))
+
+    def row():
+        return s.E_row[rows]
+
+    def col():
+        return s.E_col[cols]
+
+    def leaf():
+        return jnp.broadcast_to(s.E, jnp.shape(rows))
+
+    return _select(use_row & use_col, lambda: jnp.minimum(row(), col()),
+                   lambda: _select(use_row, row, lambda: _select(use_col, col, leaf)))
 
 
 def local_scale(s: Scales, rows, cols) -> Local:
