@@ -3,7 +3,8 @@
 # holds there. It runs `peat demo` on the vision and the language workload, `peat check` of every
 # bundled kernel (ffi_matmul builds its CUDA version with nvcc: $NVCC, PATH or /usr/local/cuda/bin;
 # ffi_matmul_tile_bug must exit 1), and the core, analyzer, profiler and (GPU) scale benchmarks
-# (each prints its one JSON line).
+# (each prints its one JSON line), and a golden run on the GPU compared with the same run on its
+# CPU (`peat compare`, with a replay of the divergence on the GPU).
 # Ends with one JSON line: each step's exit status and seconds, the jax version and the device.
 #
 #   bash benchmarks/gpu_check.sh            # PYTHON=... to choose the interpreter
@@ -40,6 +41,15 @@ for b in bench_core bench_analyze bench_profiler; do
 done
 # playback cells per second on the language workload at size="large" with the Pallas matmul
 step bench_scale_gpu 240 "$PY" benchmarks/bench_scale.py --gpu
+# issue 15: a golden run on this GPU against the same run on its CPU (site statistics every
+# step): the first site, step and phase that differ beyond noise, and replayed on the GPU
+step golden_gpu 120 "$PY" -m peat_jax profile vision --steps 10 --checkpoint-every 5 \
+  --stats-every 1 --out "$OUT/golden-gpu"
+step golden_cpu 180 env JAX_PLATFORMS=cpu "$PY" -m peat_jax profile vision --steps 10 \
+  --checkpoint-every 5 --stats-every 1 --out "$OUT/golden-cpu"
+step compare_cpu_gpu 120 "$PY" -m peat_jax compare "$OUT/golden-cpu" "$OUT/golden-gpu" --json
+step compare_gpu_cpu_replay 120 "$PY" -m peat_jax compare "$OUT/golden-gpu" "$OUT/golden-cpu" \
+  --replay --json
 
 DEVICE=$("$PY" -c "import jax; d = jax.devices()[0]; print(d.platform + ': ' + d.device_kind)" 2>/dev/null)
 JAXV=$("$PY" -c "import jax; print(jax.__version__)" 2>/dev/null)
