@@ -256,6 +256,7 @@ def test_blocked_matmul_passes(dtype):
     _passes(d)
 
 
+@pytest.mark.slow
 def test_reduction_in_another_order_passes():
     x = jax.random.normal(jax.random.key(0), (48, 300))
 
@@ -271,7 +272,7 @@ def test_reduction_in_another_order_passes():
             x = x[:, 0::2] + x[:, 1::2]
         return x[:, 0]
 
-    def sequential(x):          # 300 additions in a row: measurably worse than XLA's order
+    def sequential(x):          # one addition after the other
         return lax.fori_loop(0, x.shape[1], lambda i, acc: acc + x[:, i],
                              jnp.zeros(x.shape[0], x.dtype))
 
@@ -279,9 +280,13 @@ def test_reduction_in_another_order_passes():
     opts = dict(variants=("example", "outliers"), backward=False, repeats=1)
     _passes(check_kernel(chunked, ref, x, **opts))
     _passes(check_kernel(pairwise, ref, x, **opts))
-    d = check_kernel(sequential, ref, x, **opts)
-    assert not d.passed and d.evidence["effective_mantissa_bits"] > 18, d.summary
-    _passes(check_kernel(sequential, ref, x, noise_factor=16, **opts))
+    # 300 terms: the median ULP error is ~3x XLA's, the 99th percentile and max are below it.
+    _passes(check_kernel(sequential, ref, x, **opts))
+    # 3000 terms: every quantile 7-10x XLA's (exact in float64: the float32 order amplified).
+    long = jax.random.normal(jax.random.key(0), (48, 3000))
+    d = check_kernel(sequential, ref, long, **opts)
+    assert not d.passed and d.model == "unstable_algorithm", d.summary
+    _passes(check_kernel(sequential, ref, long, noise_factor=16, **opts))
 
 
 def test_pallas_layer_norm_interpret_passes():

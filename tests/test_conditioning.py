@@ -100,6 +100,18 @@ def test_bundled_pallas_attention_passes_every_variant():
     assert not d.evidence.get("failing_checks")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(6))
+def test_bundled_pallas_attention_passes_outliers_for_every_seed(seed):
+    """Seed 2 failed as low_precision_accumulation on grad[1] by its median ULP error alone
+    (2.6x the golden's, at the gap of a bimodal distribution) while its 90th, 99th percentile
+    and max errors against float64 were the golden's: the distribution test now needs the
+    tail worse too."""
+    d = peat.check_kernel(peat.kernels.pallas_attention(), references.attention, *_qkv(),
+                          variants=("outliers",), repeats=1, seed=seed)
+    assert d.passed, d.summary
+
+
 def test_bundled_pallas_attention_backward_saturated_softmax():
     """q, k ~ 4e9 (the 'large' variant): the softmax is one-hot and dq, dk are exactly 0 in
     float64 under any 1-ULP perturbation; FlashAttention's rowsum(dO * O) made them ~1e13."""

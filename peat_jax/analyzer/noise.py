@@ -54,9 +54,10 @@ truth and a faithful one within 1; a long reduction dominated by one large term 
 ULP where the golden happens to be exact, hence 2."""
 
 DISTRIBUTION_ALLOWANCE = 0.5
-"""The distribution test (float64 reference only): the candidate's median ULP error may be at
-most ``F / 2`` (2 at the default F = 4) times the golden's, and its 90th-percentile ULP error
-at most F times the golden's, each plus this many ULPs."""
+"""The distribution test (float64 reference only): the candidate fails it when its median ULP
+error is beyond ``F / 2`` (2 at the default F = 4) times the golden's or its 90th-percentile
+ULP error beyond F times the golden's, and its 99th-percentile ULP error is beyond F times the
+golden's too, each plus this many ULPs (`distribution_ok`)."""
 
 DISTRIBUTION_MIN_ELEMENTS = 32
 """The distribution test needs at least this many finite elements; smaller leaves rely on the
@@ -111,10 +112,24 @@ def dtype_noise_bound(dtype, reduction_length: Optional[int] = None,
 
 def distribution_ok(candidate_ulp: Mapping[str, float], golden_ulp: Mapping[str, float],
                     noise_factor: float) -> bool:
-    """The distribution test on ULP-error quantiles (``{"p50": ..., "p90": ...}``, ULPs):
-    ``p50(u_c) <= F/2 * p50(u_g) + 0.5`` and ``p90(u_c) <= F * p90(u_g) + 0.5``."""
-    return (candidate_ulp["p50"] <= noise_factor / 2 * golden_ulp["p50"] + DISTRIBUTION_ALLOWANCE
-            and candidate_ulp["p90"] <= noise_factor * golden_ulp["p90"] + DISTRIBUTION_ALLOWANCE)
+    """The distribution test on ULP-error quantiles (``{"p50": ..., "p90": ..., "p99": ...}``,
+    ULPs of the golden's dtype against the float64 reference).
+
+    Returns:
+      False (the candidate's errors are distributionally worse) when the body of the
+      distribution is worse, ``p50(u_c) > F/2 * p50(u_g) + 0.5`` or ``p90(u_c) > F * p90(u_g) +
+      0.5``, and so is its tail, ``p99(u_c) > F * p99(u_g) + 0.5``; True otherwise.
+    """
+    # A narrow accumulator (or a long sequential sum) scales every error, so every quantile
+    # moves (calibrated: p90 and p99 >= 6.9x the golden's). Another correct summation order
+    # only reshuffles which elements round which way: where the ULP errors are bimodal (small
+    # values left by cancellation sit orders of magnitude above the rest) the median falls in
+    # the gap and moves by 2-3x on its own, while the tail stays at the golden's.
+    def beyond(q: str, factor: float) -> bool:
+        return candidate_ulp[q] > factor * golden_ulp[q] + DISTRIBUTION_ALLOWANCE
+
+    body = beyond("p50", noise_factor / 2) or beyond("p90", noise_factor)
+    return not (body and beyond("p99", noise_factor))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +175,8 @@ class NoiseFloor:
     cancellation is judged in absolute terms like its neighbours, and an element much larger
     than its neighbours in relative terms (the golden's typical ULP error). A candidate is
     numerical noise when no element exceeds the floor and its ULP-error distribution is no
-    worse than the golden's (``distribution_ok``), which catches dense mild degradation (e.g.
-    a bfloat16 accumulator) that no single element shows.
+    worse than the golden's in its body and its tail (``distribution_ok``), which catches dense
+    mild degradation (e.g. a bfloat16 accumulator) that no single element shows.
 
     Without one (``kind="dtype_bound"``): the floor on ``|c - g|`` is `dtype_noise_bound`.
 
@@ -176,9 +191,9 @@ class NoiseFloor:
       golden_max_ulp_error: U (ULPs), None without a reference.
       golden_ulp_quantiles / candidate_ulp_quantiles: {q: ULPs} of ``u_g`` and ``u_c`` (sample),
         empty without a reference.
-      distribution_ok: True when ``p50(u_c) <= F/2 * p50(u_g) + 0.5`` and ``p90(u_c) <= F *
-        p90(u_g) + 0.5`` (`DISTRIBUTION_ALLOWANCE`); None without a reference or with fewer
-        than `DISTRIBUTION_MIN_ELEMENTS` finite elements.
+      distribution_ok: False when ``p50(u_c) > F/2 * p50(u_g) + 0.5`` or ``p90(u_c) > F *
+        p90(u_g) + 0.5``, and ``p99(u_c) > F * p99(u_g) + 0.5`` (`distribution_ok`); None
+        without a reference or with fewer than `DISTRIBUTION_MIN_ELEMENTS` finite elements.
       rms_golden: root mean square of the finite golden values (sample), output units.
       conditioning: the `ConditioningFloor`, None when no conditioning spread was given.
     """
