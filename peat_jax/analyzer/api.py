@@ -13,7 +13,7 @@ import numpy as np
 from peat_jax.analyzer.bucket import bucket_of, pad, unpad
 from peat_jax.analyzer.build import build_signature, nonfloat_signature
 from peat_jax.analyzer.contract import Options
-from peat_jax.analyzer.device import leaf_stats, nonfloat_stats
+from peat_jax.analyzer.device import leaf_stats, nonfloat_stats, to_host
 from peat_jax.analyzer.noise import (DEFAULT_NOISE_FACTOR, DTYPE_ULP_ALLOWANCE,
                                      REFERENCE_ULP_ALLOWANCE, analyzed_format, dtype_noise_bound)
 from peat_jax.analyzer.signature import BLOCK_SIZES, DEFAULT_SAMPLE_SIZE, Signature
@@ -158,12 +158,12 @@ def _leaf_stats(device, options: Options, c, g, r, k, extent=None):
     conditioning spread as float64)."""
     c, g = jax.device_put(c, device), jax.device_put(g, device)
     if r is None:
-        return jax.device_get(leaf_stats(c, g, None, options, extent=extent))
+        return to_host(leaf_stats(c, g, None, options, extent=extent))
     with jax.enable_x64(True):
         r64 = jax.device_put(jnp.asarray(r, jnp.float64), device)
         k64 = None if k is None else jax.device_put(
             jnp.nan_to_num(jnp.abs(jnp.asarray(k, jnp.float64)), nan=0.0, posinf=0.0), device)
-        return jax.device_get(leaf_stats(c, g, r64, options, k64, extent))
+        return to_host(leaf_stats(c, g, r64, options, k64, extent))
 
 
 def _analyze_leaf(path, c, g, r, k, reduction_length, noise_factor, ulp_allowance, comparison,

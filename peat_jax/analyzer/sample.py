@@ -202,10 +202,11 @@ def _grid_fit(el: Elements, f: FloatFormat) -> GridFit:
     """The error in ULPs of coarser grids (k mantissa bits dropped): is c the golden rounded to
     the grid?"""
     ks = jnp.arange(f.mantissa_bits + 1, dtype=jnp.float32)
-    grid_ulp = el.ulp_dist.astype(jnp.float32)[:, None] * jnp.exp2(-ks)[None, :]
-    mf = (el.mismatched & el.finite)[:, None]
-    return GridFit(max_ulp=jnp.max(jnp.where(mf, grid_ulp, 0), axis=0),
-                   beyond_half=jnp.sum(i32(mf & (grid_ulp > _HALF_GRID_ULP)), axis=0))
+    # one row per grid, the elements along the minor axis (row reductions vectorise)
+    grid_ulp = jnp.exp2(-ks)[:, None] * el.ulp_dist.astype(jnp.float32)[None, :]
+    mf = (el.mismatched & el.finite)[None, :]
+    return GridFit(max_ulp=jnp.max(jnp.where(mf, grid_ulp, 0), axis=1),
+                   beyond_half=jnp.sum(i32(mf & (grid_ulp > _HALF_GRID_ULP)), axis=1))
 
 
 class Gathered(NamedTuple):
