@@ -644,3 +644,20 @@ def test_cli_imports_user_code_only_when_named_as_module_attribute(tmp_path):
     assert [g["imported"] for g in got] == [[], [], [], ["vision"]]
     assert not any(g["pwned"] for g in got) and not (tmp_path / "pwned").exists()
     assert sorted(p.name for p in tmp_path.glob("imported_*")) == ["imported_vision"]
+
+
+def test_atomic_write_leaves_the_old_file_whole_when_the_writer_fails(tmp_path):
+    from peat_jax.profiler.rundir import atomic_write
+    path = tmp_path / "f.bin"
+    atomic_write(path, lambda f: f.write(b"old"), binary=True)
+
+    def half_then_fail(f):
+        f.write(b"half a new fi")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(path, half_then_fail, binary=True)
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]   # no temporary file left behind
+    atomic_write(path, lambda f: f.write("new"))
+    assert path.read_text() == "new"

@@ -27,6 +27,7 @@ import re
 from typing import Any, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from peat_jax.detector import Diagnosis
@@ -346,9 +347,10 @@ def _same_sites(ra: RunDir, rb: RunDir) -> list[StatsSite]:
         raise PeatError(f"{ra.path} and {rb.path} recorded different sites (first: "
                         f"{diff[0] and diff[0].label()} vs {diff[1] and diff[1].label()}): they "
                         "are not runs of the same train step")
-    if read_sampling(ra.site_stats) != read_sampling(rb.site_stats):
+    sampling = read_sampling(ra.site_stats), read_sampling(rb.site_stats)
+    if sampling[0] != sampling[1]:
         raise PeatError(f"{ra.path} and {rb.path} sampled the site outputs differently "
-                        f"({read_sampling(ra.site_stats)} vs {read_sampling(rb.site_stats)} in "
+                        f"({sampling[0]} vs {sampling[1]} in "
                         "their sites.json: one was profiled by an older peat_jax); profile "
                         "both with the same peat_jax")
     return sa
@@ -511,7 +513,6 @@ def _diagnose(site: StatsSite, row: int, a: dict, b: dict, rel: float) -> Diagno
     are equal (the difference lies outside them), a verdict from the scalar statistics."""
     from peat_jax.analyzer import analyze
     from peat_jax.detector import detect
-    import jax.numpy as jnp
     na, nb = int(a["nonfinite"][row]), int(b["nonfinite"][row])
     sa, sb = _sample(site, a), _sample(site, b)
     if sa.tobytes() != sb.tobytes():
@@ -545,7 +546,6 @@ def _common_scale(site: StatsSite, row: int, a: dict, b: dict) -> Optional[float
     """The factor by which run b's output of `site` is run a's, when its nonzero sampled values,
     abs-max and RMS all agree on one within `SCALE_RTOL` (and sampled zeros stay zero), and it
     is not 1; else None."""
-    import jax.numpy as jnp
     if not jnp.issubdtype(jnp.dtype(site.dtype), jnp.floating):
         return None
     sa, sb = _sample(site, a).astype(np.float64), _sample(site, b).astype(np.float64)

@@ -32,7 +32,7 @@ import pathlib
 import platform
 import tempfile
 import warnings
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import IO, Any, Callable, Iterable, Mapping, Optional, Union
 
 import jax
 
@@ -40,8 +40,8 @@ from peat_jax import _jax
 from peat_jax.errors import PeatError
 from peat_jax.precision import current_matmul_precision
 
-__all__ = ["MANIFEST", "RunDir", "atomic_write_json", "append_jsonl", "environment", "platform_info",
-           "read_jsonl", "recorded_precision", "run_identity"]
+__all__ = ["MANIFEST", "RunDir", "append_jsonl", "atomic_write", "atomic_write_json", "environment",
+           "platform_info", "read_jsonl", "recorded_precision", "run_identity"]
 
 MANIFEST = "manifest.json"
 # the manifest keys that say which run a directory holds (not "steps": a run may be extended)
@@ -61,17 +61,16 @@ def to_json(obj: Any) -> str:
     return json.dumps(obj, default=_json_default, separators=(",", ":"), sort_keys=False)
 
 
-def atomic_write_json(path: PathLike, obj: Any, *, indent: Optional[int] = 2) -> None:
-    """Write `obj` as JSON to `path` via a temporary file and a rename (never a half file);
-    `indent=None`: compact (no whitespace)."""
+def atomic_write(path: PathLike, write: Callable[[IO], None], *, binary: bool = False) -> None:
+    """Write `path` by `write(file)` into a temporary file beside it, synced, then renamed over
+    it: readers see the old file or the whole new one, never a half file (the temporary file is
+    removed if `write` raises)."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=indent, default=_json_default,
-                      separators=None if indent is not None else (",", ":"))
-            f.write("\n")
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -79,6 +78,16 @@ def atomic_write_json(path: PathLike, obj: Any, *, indent: Optional[int] = 2) ->
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_json(path: PathLike, obj: Any, *, indent: Optional[int] = 2) -> None:
+    """Write `obj` as JSON to `path` (`atomic_write`); `indent=None`: compact (no whitespace)."""
+    def write(f):
+        json.dump(obj, f, indent=indent, default=_json_default,
+                  separators=None if indent is not None else (",", ":"))
+        f.write("\n")
+
+    atomic_write(path, write)
 
 
 def _drop_torn_tail(path: pathlib.Path) -> None:
@@ -143,16 +152,9 @@ def read_jsonl(path: PathLike, *, strict: bool = False) -> list[dict]:
 
 
 def rewrite_jsonl(path: PathLike, records: Iterable[Mapping[str, Any]]) -> None:
-    """Replace a JSONL file atomically."""
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        for r in records:
-            f.write(to_json(r) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Replace a JSONL file atomically (`atomic_write`)."""
+    records = list(records)
+    atomic_write(path, lambda f: f.writelines(to_json(r) + "\n" for r in records))
 
 
 def run_identity(manifest: Mapping[str, Any]) -> dict[str, Any]:

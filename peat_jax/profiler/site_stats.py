@@ -65,6 +65,7 @@ from jax import lax
 
 from peat_jax import _interpreter as _ip
 from peat_jax.errors import PeatError
+from peat_jax.profiler.rundir import atomic_write, atomic_write_json
 from peat_jax.sites import Site, Traced, Tracer
 from peat_jax.substitute import Candidate, Substitution, fault_key, make_rules, resolve, run_rules
 
@@ -493,7 +494,6 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(StatsSite))
 def write_sites(directory, sites: Sequence[StatsSite], sampling: Sampling = Sampling()) -> None:
     """Write `sites.json` into `directory`: compact JSON, the sites as rows of `fields` (each
     field named once, not once per site)."""
-    from peat_jax.profiler.rundir import atomic_write_json
     rows = [[s.to_json()[f] for f in _FIELDS] for s in sites]
     atomic_write_json(directory / "sites.json", {"sample_size": int(sampling.size),
                                                  "sample_density": int(sampling.density),
@@ -546,18 +546,7 @@ def write_chunk(directory, steps: Sequence[int], packed: Sequence[Mapping[str, A
 
 
 def _write_npz(directory, name: str, arrays: Mapping[str, np.ndarray]) -> None:
-    import os
-    import tempfile
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".npz")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(f, **arrays)
-        os.replace(tmp, directory / name)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(directory / name, lambda f: np.savez_compressed(f, **arrays), binary=True)
 
 
 class ChunkWriter:
