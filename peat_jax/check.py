@@ -10,6 +10,7 @@ output (``"forward"``, or ``"grad[i]"`` for the gradient with respect to positio
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -142,7 +143,9 @@ def make_variant(name: str, args: tuple, seed: int = 0) -> Optional[tuple]:
 # ----------------------------------------------------------------------------------------------
 
 def _to_jax(args):
-    return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, args)
+    """`args` with every NumPy array placed on the default device (`jax.device_put`, which
+    compiles nothing: `jnp.asarray` compiles a program per new shape on recent jax)."""
+    return jax.tree.map(lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, args)
 
 
 def _float_positions(args) -> tuple[int, ...]:
@@ -164,7 +167,7 @@ def _cotangent(out, rng: np.random.Generator):
     for x in leaves:
         dt = jnp.result_type(x)
         if jnp.issubdtype(dt, jnp.floating):
-            cts.append(jnp.asarray(rng.standard_normal(jnp.shape(x), np.float32).astype(dt)))
+            cts.append(jax.device_put(rng.standard_normal(jnp.shape(x), np.float32).astype(dt)))
         else:
             cts.append(np.zeros(jnp.shape(x), jax.dtypes.float0))
     return jax.tree_util.tree_unflatten(treedef, cts)
@@ -184,16 +187,52 @@ class _Pinned:
 
 
 def _vjp(fn: Callable, args: tuple, positions: Sequence[int], ct):
-    """Gradients of <fn(*args), ct> with respect to args[i] for i in positions."""
+    """(fn(*args), gradients of <fn(*args), ct> with respect to args[i] for i in positions).
+
+    A jitted `fn` (or a `_Pinned` one) whose arguments and cotangent are all arrays runs as one
+    jitted program, forward and backward (`_jitted_vjp`): `jax.vjp` of a jitted function
+    compiles two (the linearised forward and the transposed backward), more compilation per
+    new shape. Any other `fn` runs as given, eagerly (jit would reject a callable that
+    branches on values or takes Python scalars)."""
+    with at_matmul_precision(fn.precision if isinstance(fn, _Pinned) else None):
+        if _is_jitted(fn) and all(isinstance(x, jax.Array)
+                                  for x in jax.tree_util.tree_leaves((args, ct))):
+            return _jitted_vjp(fn, tuple(positions))(args, ct)
+        return _vjp_traced(fn, args, positions, ct)
+
+
+def _vjp_traced(fn: Callable, args: tuple, positions: Sequence[int], ct):
+    """`_vjp` as a function of `args` and `ct`, eager or under a trace."""
     def f(*diff):
         full = list(args)
         for i, d in zip(positions, diff):
             full[i] = d
         return fn(*full)
 
-    with at_matmul_precision(fn.precision if isinstance(fn, _Pinned) else None):
-        out, pullback = jax.vjp(f, *[args[i] for i in positions])
-        return out, pullback(ct)
+    out, pullback = jax.vjp(f, *[args[i] for i in positions])
+    return out, pullback(ct)
+
+
+def _is_jitted(fn: Callable) -> bool:
+    """`fn` (or the callable a `_Pinned` wraps) is a hashable `jax.jit` function (it has
+    `lower`; hashable, as `_jitted_vjp` caches by it)."""
+    try:
+        hash(fn)
+    except TypeError:
+        return False
+    return hasattr(fn.fn if isinstance(fn, _Pinned) else fn, "lower")
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_vjp(fn: Callable, positions: tuple[int, ...]) -> Callable:
+    """`_vjp_traced(fn, args, positions, ct)` jitted, by (fn, positions), so that checks of the
+    same callable share its compilations. Named "<fn's name>_vjp" (compile logs)."""
+    def vjp(args, ct):
+        return _vjp_traced(fn, args, positions, ct)
+
+    name = getattr(fn.fn if isinstance(fn, _Pinned) else fn, "__name__", "fn")
+    vjp.__name__ = vjp.__qualname__ = f"{name}_vjp"
+    return jax.jit(vjp)
 
 
 def _grad_names(positions: Sequence[int]) -> list[str]:
@@ -334,9 +373,7 @@ def _reference64(reference, run: _Run, args64=None) -> dict[str, Any]:
         with jax.enable_x64(True):
             a64 = _to_jax(_as64(run.args) if args64 is None else args64)
             if run.positions:
-                ct64 = jax.tree.map(
-                    lambda c: jnp.asarray(c, jnp.float64) if jnp.issubdtype(
-                        jnp.result_type(c), jnp.floating) else c, run.cotangent)
+                ct64 = _to_jax(_as64(run.cotangent))
                 out, grads = _vjp(reference, a64, run.positions, ct64)
             else:
                 out, grads = reference(*a64), None

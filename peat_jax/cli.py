@@ -422,7 +422,7 @@ def cmd_check(args) -> int:
     shapes = _shapes(args.shapes or (region[2] if region else "67x45,45x33"))
     dtype = jnp.dtype(args.dtype)
     rng = np.random.default_rng(args.seed)    # on the host: a jax draw compiles per shape
-    xs = [jnp.asarray(rng.standard_normal(s, np.float32).astype(dtype)) for s in shapes]
+    xs = [jax.device_put(rng.standard_normal(s, np.float32).astype(dtype)) for s in shapes]
     if region:
         reference, candidate = region[1], kernel
         n_args = {"pallas_softmax": 1, "pallas_layer_norm": 3, "pallas_attention": 3}[args.kernel]

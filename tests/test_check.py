@@ -1,6 +1,9 @@
 """peat.check_kernel, peat.testing.assert_kernel_matches and the peat_check pytest fixture."""
 from __future__ import annotations
 
+import logging
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +55,55 @@ def test_exact_forward_with_wrong_backward_is_caught():
     assert checks[("example", "forward")] == "exact"
     assert checks[("example", "grad[0]")] in ("exact", "numerical_noise")
     assert "grad[1]" in d.summary and "1.5x" in d.summary
+
+
+def blocked_scaled_forward(a, b):
+    """A forward that is 1.5x too large (its gradients follow)."""
+    return blocked(a, b) * 1.5
+
+
+@pytest.mark.parametrize("kernel", [blocked, wrong_bwd, blocked_scaled_forward],
+                         ids=lambda f: f.__name__)
+def test_a_jitted_candidate_is_judged_as_the_same_function_unjitted(kernel):
+    """A jitted candidate's forward and backward run as one jitted program; an unjitted one
+    eagerly: the verdict and every check's model are the same (up to "exact" against
+    "numerical_noise": XLA may fuse a jitted program's transposes into its dots)."""
+    variants = ("example", "outliers", "odd_shape")
+    plain = check_kernel(kernel, ref, A, B, variants=variants)
+    jitted = check_kernel(jax.jit(kernel), jax.jit(ref), A, B, variants=variants)
+    assert (jitted.passed, jitted.model) == (plain.passed, plain.model), jitted.summary
+    noise = {"exact": "numerical_noise"}
+    models = [[v, o, noise.get(m, m)] for v, o, m in jitted.evidence["checks"]]
+    assert models == [[v, o, noise.get(m, m)] for v, o, m in plain.evidence["checks"]]
+    assert jitted.evidence["origin"]["output"] == plain.evidence["origin"]["output"]
+
+
+def test_a_jitted_candidate_compiles_two_programs_per_new_shape():
+    """Its forward, and its forward and backward together (eagerly, `jax.vjp` of a jitted
+    function compiles a linearised forward and a transposed backward besides)."""
+    compiled = []
+
+    class Compiles(logging.Handler):
+        def emit(self, record):
+            m = re.match(r"Compiling jit\((\w+)\)", record.getMessage())
+            if m:
+                compiled.append(m.group(1))
+
+    def fresh_blocked(a, b):        # a function of its own: nothing cached for it
+        return blocked(a, b)
+
+    log, handler = logging.getLogger("jax"), Compiles()
+    log.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            d = check_kernel(jax.jit(fresh_blocked), jax.jit(ref), A, B,
+                             variants=("example", "large", "odd_shape"))
+    finally:
+        log.removeHandler(handler)
+    assert d.passed, d.summary
+    mine = sorted(n for n in compiled if n.startswith("fresh_blocked"))
+    # two shapes (the example's, odd_shape's): the forward and the forward with its VJP
+    assert mine == ["fresh_blocked"] * 2 + ["fresh_blocked_vjp"] * 2, compiled
 
 
 def test_correct_kernel_passes_on_every_variant():
