@@ -27,6 +27,7 @@ from peat_jax.errors import PeatError
 from peat_jax.formats import float_format, round_to_format
 from peat_jax.kernels.pallas.interpret import races_found, reset_interpret_state
 from peat_jax.precision import at_matmul_precision, matmul_precision
+from peat_jax.sites import Site, list_sites
 
 __all__ = ["CONDITIONING_PERTURBATIONS", "REFERENCE_SPREAD_FACTOR", "VARIANTS", "check_kernel",
            "make_variant", "perturb_inputs"]
@@ -491,12 +492,52 @@ def _forgive(candidate, golden, atol: Optional[float], rtol: Optional[float]):
 
 
 def _diagnose(cand, gold, ref64, opts: _Options, comparison: str = "golden",
-              conditioning=None) -> Diagnosis:
+              conditioning=None, reduction_length: Optional[int] = None) -> Diagnosis:
+    """`detect(analyze(...))` of one output; `reduction_length` (with `ref64` only) is the K
+    to use when the caller gave none (`_longest_reduction`)."""
     cand = _forgive(cand, gold, opts.atol, opts.rtol)
-    sig = analyze(cand, gold, ref64, reduction_length=opts.reduction_length,
-                  noise_factor=opts.noise_factor, comparison=comparison,
-                  conditioning=conditioning)
+    k = opts.reduction_length
+    if k is None and ref64 is not None:
+        k = reduction_length
+    sig = analyze(cand, gold, ref64, reduction_length=k, noise_factor=opts.noise_factor,
+                  comparison=comparison, conditioning=conditioning)
     return detect(sig, allow=opts.allow)
+
+
+REDUCING_PRIMITIVES = ("dot_general", "reduce_sum", "conv_general_dilated")
+"""The ops whose reduction length `_longest_reduction` reads."""
+
+
+def _summed(site: Site) -> int:
+    """Elements one output element of `site` sums (1 for ops that sum nothing)."""
+    p, shapes = site.params, site.in_shapes
+    if site.primitive == "dot_general":
+        (lhs_contracting, _), _ = p["dimension_numbers"]
+        return math.prod(shapes[0][d] for d in lhs_contracting)
+    if site.primitive == "reduce_sum":
+        return math.prod(shapes[0][a] for a in p["axes"])
+    if site.primitive == "conv_general_dilated":
+        rhs, out_feature = shapes[1], p["dimension_numbers"].rhs_spec[0]
+        return math.prod(rhs) // max(rhs[out_feature], 1)
+    return 1
+
+
+def _longest_reduction(reference, run: _Run) -> Optional[int]:
+    """The most elements any op of the reference's program sums into one output element, on
+    the run's inputs, forward and (with gradients) backward (`REDUCING_PRIMITIVES`; a matmul's
+    K); None when it sums nothing or cannot be traced."""
+    if run.positions:
+        def fn(args, ct):
+            return _vjp_traced(reference, args, run.positions, ct)
+        args = (run.args, run.cotangent)
+    else:
+        fn, args = reference, run.args
+    try:
+        sites = list_sites(fn, *args, primitives=REDUCING_PRIMITIVES)
+    except Exception:  # noqa: BLE001 - only a refinement of the rounding reach
+        return None
+    longest = max((_summed(s) for s in sites), default=1)
+    return longest if longest > 1 else None
 
 
 class _Pending(NamedTuple):
@@ -515,9 +556,11 @@ def _comparisons(pool: ThreadPoolExecutor, reference, run: _Run, opts: _Options,
     ``opts.conditioning`` is off); analysed on `pool`."""
     ref64 = refs64[run.variant] = _reference64(reference, run)
     cond = _conditioning(reference, run, ref64, seed) if opts.conditioning else {}
+    k = _longest_reduction(reference, run) if ref64 and opts.reduction_length is None else None
     return [_Pending(run.variant, output, _submit(
         pool, _diagnose, run.candidate[output], gold, ref64.get(output), opts,
-        conditioning=cond.get(output))) for output, gold in run.reference.items()]
+        conditioning=cond.get(output), reduction_length=k))
+        for output, gold in run.reference.items()]
 
 
 def _judged_by_float64(checks: list[_Check], candidate, runs: dict[str, _Run],

@@ -299,20 +299,32 @@ def _stuck_at(s: Signature) -> Optional[_Match]:
                            f"{c.elements} elements (stuck-at-{value} pattern)")
 
 
+def _reach_ulps(s: Signature) -> float:
+    """`_rounding_reach` in ULPs at its scale: F, times sqrt(K) with a float64 reference and a
+    known reduction length K (`NoiseFloor.reduction_length`): the K partial sums of a reduction
+    at that scale each round, and another correct order rounds them differently."""
+    if s.noise is None:
+        return 4.0
+    k = s.noise.reduction_length if s.noise.kind == "float64" else None
+    return s.noise.factor * math.sqrt(max(k or 1, 1))
+
+
 def _rounding_reach(s: Signature, golden: float) -> float:
-    """How far rounding reaches at an element of golden value `golden` (output units): F ULPs
-    of the golden's dtype at the larger of the tensor's scale (rms of the golden) and the
-    element's own magnitude. A computation at that scale (a sum of terms of that size that
-    cancels, say) rounds by about this much, whatever the element's own value."""
-    factor = s.noise.factor if s.noise is not None else 4.0
+    """How far rounding reaches at an element of golden value `golden` (output units):
+    `_reach_ulps` ULPs of the golden's dtype at the larger of the tensor's scale (rms of the
+    golden) and the element's own magnitude. A computation at that scale (a sum of terms of
+    that size that cancels, say) rounds by about this much, whatever the element's own
+    value."""
     scale = max(s.noise.rms_golden if s.noise is not None else 0.0, abs(golden))
-    return factor * ulp_at(scale if math.isfinite(scale) else 0.0, float_format(s.dtype))
+    return _reach_ulps(s) * ulp_at(scale if math.isfinite(scale) else 0.0,
+                                   float_format(s.dtype))
 
 
 def _rounding_at_scale(s: Signature) -> Optional[_Match]:
     """Isolated significant elements (all listed), each smaller than the tensor's scale in both
     the golden and the candidate (|g|, |c| < rms(g)) and each within the rounding reach there
-    (|c - g| <= F ULPs of the dtype at rms(g), `_rounding_reach`): small values left by a
+    (|c - g| <= F ULPs of the dtype at rms(g), F * sqrt(K) for a reduction of K elements
+    with a float64 reference, `_rounding_reach`): small values left by a
     cancellation of terms at the tensor's scale, which another algorithm rounds differently
     (the per-element floor saw a golden that happened to cancel exactly there)."""
     c = s.counts
@@ -328,19 +340,20 @@ def _rounding_at_scale(s: Signature) -> Optional[_Match]:
     w = s.worst[0]
     ev = {"elements": [list(x.index) for x in s.worst],
           "errors": [abs(x.candidate - x.golden) for x in s.worst], "rounding_reach": reach,
-          "rms_golden": s.noise.rms_golden}
+          "reach_ulps": _reach_ulps(s), "rms_golden": s.noise.rms_golden}
     return _Match(ev, 0.6, f"{c.significant} isolated elements beyond their own floor but "
                            f"within rounding at the tensor's scale (e.g. {_idx(w)}: "
                            f"{_g(w.golden)} -> {_g(w.candidate)}, |error| "
                            f"{_g(abs(w.candidate - w.golden))} <= {_g(reach[0])}, "
-                           f"{_g(s.noise.factor)} ULPs at rms {_g(s.noise.rms_golden)})")
+                           f"{_g(_reach_ulps(s))} ULPs at rms {_g(s.noise.rms_golden)})")
 
 
 def _bit_flip(s: Signature) -> Optional[_Match]:
     """Isolated significant elements (all listed), each the golden with exactly one bit flipped:
     differing in exactly one bit or, when other elements differ within the noise floor, turned
     back within twice its floor of the golden by flipping one bit; and each flip above what
-    rounding at the tensor's scale reaches (|c - g| > F ULPs at max(rms(g), |g|),
+    rounding at the tensor's scale reaches (|c - g| > F ULPs at max(rms(g), |g|), F * sqrt(K)
+    for a reduction of K elements with a float64 reference,
     `_rounding_reach`): a tiny error after cancellation is not a flipped bit."""
     c = s.counts
     if c.significant == 0 or s.bits is None:
@@ -363,7 +376,7 @@ def _bit_flip(s: Signature) -> Optional[_Match]:
           "bits": [b for _, b in flips], "bit": bit, "bit_class": cls,
           "candidate": w.candidate, "golden": w.golden,
           "flip_sizes": [abs(x.candidate - x.golden) for x, _ in flips],
-          "rounding_reach": reach}
+          "rounding_reach": reach, "reach_ulps": _reach_ulps(s)}
     more = f" (+{len(flips) - 1} more elements)" if len(flips) > 1 else ""
     return _Match(ev, 1.0, f"one bit differs at {_idx(w)}: bit {bit} ({cls}), {_g(w.golden)} -> "
                            f"{_g(w.candidate)}{more}")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import peat_jax as peat
-from peat_jax.check import perturb_inputs
+from peat_jax.check import VARIANTS, perturb_inputs
 from peat_jax.kernels import references
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -68,6 +68,61 @@ def test_one_ulp_difference_at_an_outlier_is_not_a_bit_flip():
     d = peat.detect(peat.analyze(c, x, np.asarray(x, np.float64)))
     assert d.model == "bit_flip", d.summary
     assert d.evidence["flip_sizes"][0] > d.evidence["rounding_reach"][0]
+
+
+def _isolated_residue(ulps_at_rms: float):
+    """(candidate, golden): one element well below the tensor's rms (a residue of cancellation)
+    off by `ulps_at_rms` ULPs of the rms; the golden exact (its float64 evaluation is itself)."""
+    g = np.array(_normal((64, 48)))
+    g[7, 9] = 0.25
+    rms = float(np.sqrt(np.mean(g.astype(np.float64) ** 2)))
+    c = g.copy()
+    c[7, 9] += np.float32(ulps_at_rms * np.spacing(np.float32(rms)))
+    return c, g
+
+
+def test_rounding_reach_grows_with_the_reduction_length():
+    """A reduction of K elements rounds K partial sums at the tensor's scale: an isolated
+    residue 12 ULPs (of the rms) off is within F * sqrt(K) ULPs for K = 64 (32), not within F
+    (4) for an op that sums nothing; its top mantissa bit flipped is a bit flip for any K."""
+    c, g = _isolated_residue(12)
+    r = np.asarray(g, np.float64)
+    alone = peat.detect(peat.analyze(c, g, r))
+    assert not alone.passed, alone.summary
+    summed = peat.detect(peat.analyze(c, g, r, reduction_length=64))
+    assert summed.passed and summed.evidence["rule"] == "rounding_at_scale", summed.summary
+    assert summed.evidence["reach_ulps"] == 32.0
+    c[7, 9] = (g[7, 9:10].view(np.uint32) ^ np.uint32(1 << 22)).view(np.float32)[0]
+    flipped = peat.detect(peat.analyze(c, g, r, reduction_length=64))
+    assert flipped.model == "bit_flip", flipped.summary
+    assert flipped.evidence["flip_sizes"][0] > flipped.evidence["rounding_reach"][0]
+
+
+@pytest.mark.parametrize("seed,variant", [(8, "large"), (31, "example"), (53, "odd_shape")])
+def test_a_sequential_float32_matmul_passes_where_the_golden_cancels(seed, variant):
+    """The bundled FFI matmul (a naive loop: K float32 partial sums in order) against a
+    float64-capable reference: with these seeds one element left by cancellation was ~30 ULPs
+    of the output's rms off, beyond the per-element floor of XLA's more accurate blocked dot,
+    and was called bit_flip (or tile_boundary on odd_shape). `check_kernel` reads K from the
+    reference's program and lets rounding reach F * sqrt(K) ULPs at the rms."""
+    dims = (((1,), (0,)), ((), ()))
+
+    @jax.jit
+    def reference(a, b):
+        return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.result_type(a, b))
+
+    kernel = peat.kernels.ffi_matmul()
+
+    @jax.jit
+    def candidate(a, b):
+        return kernel(a, b, dimension_numbers=dims, precision=None,
+                      preferred_element_type=jnp.float32)
+
+    rng = np.random.default_rng(seed)
+    xs = [jnp.asarray(rng.standard_normal(s, np.float32)) for s in ((67, 45), (45, 33))]
+    upto = VARIANTS[:VARIANTS.index(variant) + 1]
+    d = peat.check_kernel(candidate, reference, *xs, seed=seed, variants=upto)
+    assert d.passed, d.summary
 
 
 # ------------------------------------------------------------------------------------------

@@ -34,8 +34,11 @@ def analyze(candidate, golden, reference64=None, *, reduction_length: Optional[i
       reference64: optional float64 evaluation of the same op (same structure): sets the noise
         floor from the golden's own error (see `NoiseFloor`). Computed under
         `jax.enable_x64`; floats of any dtype are accepted and cast to float64.
-      reduction_length: K of the dtype bound when there is no float64 reference (the op's
-        reduction length; 1 for elementwise ops). Default: `DEFAULT_REDUCTION_LENGTH`.
+      reduction_length: K, the op's reduction length (elements summed into one output
+        element; 1 for elementwise ops). Without a float64 reference, the dtype bound's K
+        (default: `DEFAULT_REDUCTION_LENGTH`); with one, how far rounding at the tensor's scale
+        reaches for the detector (``F * sqrt(K)`` ULPs at the golden's rms, see `NoiseFloor`;
+        default: none, F ULPs). `peat.check_kernel` reads it from the reference's program.
       noise_factor: F (default 4).
       ulp_allowance: a, in ULPs of the golden's dtype (default: `REFERENCE_ULP_ALLOWANCE` = 2
         with a float64 reference, `DTYPE_ULP_ALLOWANCE` otherwise).

@@ -101,7 +101,7 @@ def _noise(stats: LeafStats, options: Options, reduction_length: Optional[int]) 
         decisive=int(k.decisive))
     return NoiseFloor(
         kind="float64", factor=options.noise_factor, ulp_allowance=options.ulp_allowance,
-        abs_floor=float(sc.abs_floor), reduction_length=None,
+        abs_floor=float(sc.abs_floor), reduction_length=reduction_length,
         golden_max_abs_error=float(sc.golden_max_abs_error),
         golden_max_ulp_error=float(sc.golden_max_ulp_error), golden_ulp_quantiles=ugq,
         candidate_ulp_quantiles=ucq, distribution_ok=dist_ok, rms_golden=float(sc.rms),

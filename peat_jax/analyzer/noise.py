@@ -186,7 +186,11 @@ class NoiseFloor:
       ulp_allowance: a, in ULPs of the golden's dtype.
       abs_floor: the largest absolute part of the floor, output units (``F * max E_loc`` or
         ``F * eps_acc * sqrt(K) * rms(g)``).
-      reduction_length: K used by the dtype bound (None with a float64 reference).
+      reduction_length: K, the elements the op sums into one output element: with the dtype
+        bound, the K it assumed (given, else `DEFAULT_REDUCTION_LENGTH`); with a float64
+        reference, the K given (None if none), which widens how far the detector lets rounding
+        at the tensor's scale reach (``F * sqrt(K)`` ULPs there: K roundings of partial sums at
+        that scale).
       golden_max_abs_error: E (output units), None without a reference.
       golden_max_ulp_error: U (ULPs), None without a reference.
       golden_ulp_quantiles / candidate_ulp_quantiles: {q: ULPs} of ``u_g`` and ``u_c`` (sample),
