@@ -5,7 +5,9 @@ Every comparison is an `analyze` + `detect` (the noise floor from a float64 eval
 reference when that is possible), so no ``atol`` is needed: a candidate returning zeros fails as
 ``zeroed`` whatever the output's magnitude, and a correct candidate with near-zero outputs passes.
 The worst diagnosis is returned, with ``evidence["origin"]`` naming the input variant and the
-output (``"forward"``, or ``"grad[i]"`` for the gradient with respect to positional argument i).
+output (``"forward"``; ``"grad[i]"`` for the gradient with respect to positional argument i;
+``"forward (vjp)"``, the output the candidate's VJP computed, where it differs from its plain
+call's: a ``jax.custom_vjp`` forward rule computes the output that training sees).
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ from peat_jax.kernels.pallas.interpret import races_found, reset_interpret_state
 from peat_jax.precision import at_matmul_precision, matmul_precision
 from peat_jax.sites import Site, list_sites
 
-__all__ = ["CONDITIONING_PERTURBATIONS", "REFERENCE_SPREAD_FACTOR", "VARIANTS", "check_kernel",
-           "make_variant", "perturb_inputs"]
+__all__ = ["CONDITIONING_PERTURBATIONS", "REFERENCE_SPREAD_FACTOR", "VARIANTS", "VJP_FORWARD",
+           "check_kernel", "make_variant", "perturb_inputs"]
 
 VARIANTS: tuple[str, ...] = ("example", "large", "tiny", "near_overflow", "subnormal", "zeros",
                              "outliers", "odd_shape")
@@ -187,19 +189,34 @@ class _Pinned:
             return self.fn(*args)
 
 
-def _vjp(fn: Callable, args: tuple, positions: Sequence[int], ct):
-    """(fn(*args), gradients of <fn(*args), ct> with respect to args[i] for i in positions).
+VJP_FORWARD = "forward (vjp)"
+"""The output a candidate's VJP computed, checked where it differs from its plain call's."""
+
+
+class _Outputs(NamedTuple):
+    """What one callable computed on a run's inputs under one cotangent."""
+
+    forward: Any        # the plain call's output (None when not asked for)
+    vjp_forward: Any    # the output jax.vjp computed (a custom VJP's forward rule's)
+    grads: tuple        # the gradients, by differentiated position
+
+
+def _vjp(fn: Callable, args: tuple, positions: Sequence[int], ct,
+         plain_forward: bool = False) -> _Outputs:
+    """`fn`'s output under `jax.vjp` and its gradients of <fn(*args), ct> with respect to
+    args[i] for i in positions; with `plain_forward`, the plain call's output too.
 
     A jitted `fn` (or a `_Pinned` one) whose arguments and cotangent are all arrays runs as one
-    jitted program, forward and backward (`_jitted_vjp`): `jax.vjp` of a jitted function
-    compiles two (the linearised forward and the transposed backward), more compilation per
-    new shape. Any other `fn` runs as given, eagerly (jit would reject a callable that
-    branches on values or takes Python scalars)."""
+    jitted program (`_jitted_vjp`): `jax.vjp` of a jitted function compiles two (the
+    linearised forward and the transposed backward), and a plain call one more, per new shape.
+    Any other `fn` runs as given, eagerly (jit would reject a callable that branches on values
+    or takes Python scalars)."""
     with at_matmul_precision(fn.precision if isinstance(fn, _Pinned) else None):
-        if _is_jitted(fn) and all(isinstance(x, jax.Array)
-                                  for x in jax.tree_util.tree_leaves((args, ct))):
-            return _jitted_vjp(fn, tuple(positions))(args, ct)
-        return _vjp_traced(fn, args, positions, ct)
+        if _fusable(fn, args, ct):
+            return _jitted_vjp(fn, tuple(positions), plain_forward)(args, ct)
+        out, grads = _vjp_traced(fn, args, positions, ct)
+        return _Outputs(forward=fn(*args) if plain_forward else None, vjp_forward=out,
+                        grads=tuple(grads))
 
 
 def _vjp_traced(fn: Callable, args: tuple, positions: Sequence[int], ct):
@@ -224,12 +241,23 @@ def _is_jitted(fn: Callable) -> bool:
     return hasattr(fn.fn if isinstance(fn, _Pinned) else fn, "lower")
 
 
-@functools.lru_cache(maxsize=8)
-def _jitted_vjp(fn: Callable, positions: tuple[int, ...]) -> Callable:
-    """`_vjp_traced(fn, args, positions, ct)` jitted, by (fn, positions), so that checks of the
-    same callable share its compilations. Named "<fn's name>_vjp" (compile logs)."""
+def _fusable(fn: Callable, args, ct) -> bool:
+    """`_vjp` runs `fn` as one jitted program: `fn` is jitted and its arguments and cotangent
+    are all arrays."""
+    return _is_jitted(fn) and all(isinstance(x, jax.Array)
+                                  for x in jax.tree_util.tree_leaves((args, ct)))
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_vjp(fn: Callable, positions: tuple[int, ...], plain_forward: bool) -> Callable:
+    """`_vjp(fn, args, positions, ct, plain_forward)` jitted, by its static arguments, so that
+    checks of the same callable share its compilations (the plain call and the forward under
+    `jax.vjp` are one computation to the compiler where they are the same). Named
+    "<fn's name>_vjp" (compile logs)."""
     def vjp(args, ct):
-        return _vjp_traced(fn, args, positions, ct)
+        out, grads = _vjp_traced(fn, args, positions, ct)
+        return _Outputs(forward=fn(*args) if plain_forward else None, vjp_forward=out,
+                        grads=tuple(grads))
 
     name = getattr(fn.fn if isinstance(fn, _Pinned) else fn, "__name__", "fn")
     vjp.__name__ = vjp.__qualname__ = f"{name}_vjp"
@@ -277,7 +305,7 @@ class _Run(NamedTuple):
     args: tuple
     positions: tuple[int, ...]      # positional arguments differentiated (none: forward only)
     cotangent: Any
-    candidate: dict[str, Any]       # output ("forward", "grad[i]") -> value
+    candidate: dict[str, Any]       # output ("forward", "grad[i]", VJP_FORWARD) -> value
     reference: dict[str, Any]
 
 
@@ -300,32 +328,27 @@ def _race_check(variant: str) -> "_Check":
     return _Check(variant, "forward", data_race())
 
 
-def _forwards(candidate, reference, variant: str, args) -> Union[tuple[Any, Any], str]:
-    """(candidate output, reference output); for the "odd_shape" variant, the reason to skip it
-    when either rejects the shapes instead (a kernel may serve only some shapes)."""
-    outs = []
-    for what, fn in (("reference", reference), ("candidate", candidate)):
-        if variant != "odd_shape":
-            outs.append(_call(fn, args, what, variant) if what == "reference"
-                        else _call_candidate(fn, args, variant))
-            if outs[-1] is _RACE:
-                return _RACE
-            continue
-        try:
-            outs.append(fn(*args))
-        except Exception as e:  # noqa: BLE001
-            if races_found():
-                reset_interpret_state()
-                return _RACE
-            return f"{what} rejects the shapes: {type(e).__name__}"
-    gold, cand = outs
-    return cand, gold
-
-
-def _gradients(fn, args, positions, ct, what: str) -> dict[str, Any]:
-    """{"grad[i]": gradient} of `fn` (the candidate or the reference) under cotangent `ct`."""
+def _forward(fn, args, what: str, variant: str) -> Any:
+    """`fn`'s output (`fn` the candidate or the reference); `_RACE` when the candidate raised on
+    a data race; for the "odd_shape" variant, the reason to skip it (a str) when `fn` rejects
+    the shapes instead (a kernel may serve only some shapes)."""
+    if variant != "odd_shape":
+        return _call(fn, args, what, variant) if what == "reference" \
+            else _call_candidate(fn, args, variant)
     try:
-        _, grads = _vjp(fn, args, positions, ct)
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        if races_found():
+            reset_interpret_state()
+            return _RACE
+        return f"{what} rejects the shapes: {type(e).__name__}"
+
+
+def _gradients(fn, args, positions, ct, what: str) -> _Outputs:
+    """`_vjp` of `fn` (the candidate or the reference) under cotangent `ct`; a clear error when
+    it is not differentiable."""
+    try:
+        return _vjp(fn, args, positions, ct)
     except Exception as e:  # noqa: BLE001
         if what == "reference":
             raise PeatError(f"the reference is not differentiable ({type(e).__name__}: {e}); "
@@ -333,36 +356,83 @@ def _gradients(fn, args, positions, ct, what: str) -> dict[str, Any]:
         raise PeatError(f"the candidate is not differentiable ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}); give it a "
                         "jax.custom_vjp, or pass backward=False") from e
-    return dict(zip(_grad_names(positions), grads))
+
+
+def _named(o: _Outputs, positions: Sequence[int], vjp_forward: Optional[bool]) -> dict[str, Any]:
+    """{"forward": ..., VJP_FORWARD: ..., "grad[i]": ...}: VJP_FORWARD when `vjp_forward`,
+    or (None) when it differs bitwise from the plain call's output."""
+    outs = {"forward": o.forward}
+    if vjp_forward or (vjp_forward is None and not _bitwise_equal(o.vjp_forward, o.forward)):
+        outs[VJP_FORWARD] = o.vjp_forward
+    outs.update(zip(_grad_names(positions), o.grads))
+    return outs
+
+
+def _bitwise_equal(a, b) -> bool:
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    return ta == tb and all(
+        np.shape(x) == np.shape(y) and _np(x).dtype == _np(y).dtype
+        and _np(x).tobytes() == _np(y).tobytes() for x, y in zip(la, lb))
+
+
+def _outputs(fn, args, positions, ct, what: str, variant: str, like: Any = None,
+             vjp_forward: Optional[bool] = None) -> Union[dict[str, Any], str]:
+    """`fn`'s outputs (the candidate or the reference) under cotangent `ct`, by name (`_named`;
+    `vjp_forward` as there), or a reason to skip the variant (see `_forward`).
+
+    A jitted `fn` whose arguments and cotangent are all arrays runs forward and backward as one
+    program (`_vjp`: one compilation per new shape, not two). Anything else, or a
+    program that raised, goes step by step, which says which part failed. `like` (the
+    reference's output): the structure the candidate's output must have."""
+    o = None
+    if positions and _fusable(fn, args, ct):
+        try:
+            o = _vjp(fn, args, positions, ct, plain_forward=True)
+        except Exception:  # noqa: BLE001 - the step-by-step path below reports it
+            if races_found():
+                reset_interpret_state()
+                return _RACE
+    out = o.forward if o is not None else _forward(fn, args, what, variant)
+    if isinstance(out, str):
+        return out
+    if like is not None and not _same_structure(out, like):
+        raise PeatError(f"on the {variant!r} inputs the candidate returned "
+                        f"{jax.tree.map(np.shape, out)}, the reference "
+                        f"{jax.tree.map(np.shape, like)}")
+    if not positions:
+        return {"forward": out}
+    if o is None:
+        o = _gradients(fn, args, positions, ct, what)._replace(forward=out)
+    return _named(o, positions, vjp_forward)
 
 
 def _run(candidate, reference, variant: str, args, positions,
          rng: np.random.Generator) -> Union[_Run, str]:
     """Both callables on one variant's inputs, forward and (for float outputs) backward under
-    one random cotangent; or the reason the variant is skipped (see `_forwards`)."""
-    got = _forwards(candidate, reference, variant, args)
-    if isinstance(got, str):
-        return got
-    cand, gold = got
-    if not _same_structure(cand, gold):
-        raise PeatError(f"on the {variant!r} inputs the candidate returned "
-                        f"{jax.tree.map(np.shape, cand)}, the reference "
-                        f"{jax.tree.map(np.shape, gold)}")
+    one random cotangent; or the reason the variant is skipped (see `_forward`)."""
+    gold = _forward(reference, args, "reference", variant)
+    if isinstance(gold, str):
+        return gold
     ct = _cotangent(gold, rng)
     positions = positions if _has_float(gold) else ()
-    ref_outs, cand_outs = {"forward": gold}, {"forward": cand}
+    cand_outs = _outputs(candidate, args, positions, ct, "candidate", variant, like=gold)
+    if isinstance(cand_outs, str):
+        return cand_outs
+    ref_outs = {"forward": gold}
     if positions:
-        ref_outs.update(_gradients(reference, args, positions, ct, "reference"))
-        cand_outs.update(_gradients(candidate, args, positions, ct, "candidate"))
+        o = _gradients(reference, args, positions, ct, "reference")._replace(forward=gold)
+        ref_outs = _named(o, positions, VJP_FORWARD in cand_outs)
     return _Run(variant=variant, args=args, positions=positions, cotangent=ct,
                 candidate=cand_outs, reference=ref_outs)
 
 
 def _outputs_again(fn, run: _Run, what: str) -> dict[str, Any]:
-    """`fn`'s outputs on the run's inputs once more (a repeat), forward and gradients."""
-    outs = {"forward": _call(fn, run.args, what, run.variant)}
-    if run.positions:
-        outs.update(_gradients(fn, run.args, run.positions, run.cotangent, what))
+    """`fn`'s outputs on the run's inputs once more (a repeat): the run's outputs."""
+    outs = _outputs(fn, run.args, run.positions, run.cotangent, what, run.variant,
+                    vjp_forward=VJP_FORWARD in run.reference)
+    if isinstance(outs, str):  # it ran on these inputs before
+        raise PeatError(f"the {what} failed on a repeat of the {run.variant!r} inputs: {outs}")
     return outs
 
 
@@ -375,18 +445,19 @@ def _reference64(reference, run: _Run, args64=None) -> dict[str, Any]:
             a64 = _to_jax(_as64(run.args) if args64 is None else args64)
             if run.positions:
                 ct64 = _to_jax(_as64(run.cotangent))
-                out, grads = _vjp(reference, a64, run.positions, ct64)
+                outs = _named(_vjp(reference, a64, run.positions, ct64, plain_forward=True),
+                              run.positions, VJP_FORWARD in run.reference)
             else:
-                out, grads = reference(*a64), None
-            out = jax.device_get(out)
-            grads = jax.device_get(grads)
+                outs = {"forward": reference(*a64)}
+            outs = jax.device_get(outs)
     except Exception:  # noqa: BLE001 - any failure means "no float64 reference"
         return {}
-    if not _all_f64(out):
+    forwards = [o for o in ("forward", VJP_FORWARD) if o in outs]
+    if not all(_all_f64(outs[o]) for o in forwards):
         return {}
-    if grads is None or not _all_f64(grads):
-        return {"forward": out}
-    return {"forward": out, **dict(zip(_grad_names(run.positions), grads))}
+    if not all(_all_f64(v) for v in outs.values()):
+        return {o: outs[o] for o in forwards}
+    return outs
 
 
 CONDITIONING_PERTURBATIONS = 3
@@ -745,7 +816,7 @@ def _check_key(c: _Check) -> tuple:
     """Worst last: failing, then model class (`severity`), then a forward failure before the
     gradient failures it usually causes, then the floor ratio."""
     failing, rank, ratio = severity(c.diagnosis)
-    return (failing, rank, c.output == "forward", ratio)
+    return (failing, rank, c.output in ("forward", VJP_FORWARD), ratio)
 
 
 def _narrowest_formats(checks: Sequence[_Check]) -> tuple[str, ...]:
@@ -907,7 +978,9 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
 
     Returns:
       The worst `Diagnosis` over all checks. ``evidence["origin"]`` is ``{"variant": ...,
-      "output": "forward" | "grad[i]" | "repeat forward" | ...}``; ``evidence["checks"]`` lists
+      "output": "forward" | "grad[i]" | "forward (vjp)" | "repeat forward" | ...}``
+      ("forward (vjp)": the output the candidate's VJP computed, checked where it differs
+      from its plain call's); ``evidence["checks"]`` lists
       every check as ``[variant, output, model]``; ``evidence["reference_precision"]`` is the
       reference's matmul precision (also in the summary of a ``reduced_precision`` or
       ``low_precision_accumulation`` verdict). A ``reduced_precision`` verdict names the narrow

@@ -120,16 +120,20 @@ def _fault_bits(w, dtype: str) -> tuple[int, ...]:
     Without noise (at most 1% of the elements differ within the floor), the differing bits
     themselves. With noise, the
     fewest bits (up to T) whose flip turns the candidate back into a value within twice the
-    element's floor of the golden: a flipped value in a kernel with rounding noise differs from
-    the golden in the fault's bits plus noise bits, and carries can spread the noise into
-    higher bits, so the bits are found by value, not by XOR. Falls back to the differing bits at
-    or above the element's noise bits.
+    element's floor of the golden and at least halves its error (of several, the one that
+    comes closest): a flipped value in a kernel with rounding noise differs from the golden in
+    the fault's bits plus noise bits, and carries can spread the noise into higher bits, so the
+    bits are found by value, not by XOR; and an error already near the floor is not explained
+    by flipping whichever low bit keeps it there. Falls back to the differing bits at or above
+    the element's noise bits.
     """
     if w.noise_bits == 0:
         return w.differing_bits
     f = float_format(dtype)
     ut, ft = f.uint, f.scalar
     tol = 2.0 * w.floor
+    error = abs(w.candidate - w.golden)
+    error = error if not math.isnan(error) else math.inf     # a NaN candidate
     for k in range(1, _flip_limit(dtype) + 1):
         combos = list(itertools.combinations(range(f.bits), k))
         if len(combos) > 50_000:
@@ -137,9 +141,10 @@ def _fault_bits(w, dtype: str) -> tuple[int, ...]:
         masks = np.array([sum(1 << b for b in c) for c in combos], dtype=np.uint64).astype(ut)
         with np.errstate(invalid="ignore", over="ignore"):
             back = (ut(w.candidate_bits) ^ masks).view(ft).astype(np.float64)
-            ok = np.isfinite(back) & (np.abs(back - w.golden) <= tol)
+            left = np.where(np.isfinite(back), np.abs(back - w.golden), np.inf)
+        ok = (left <= tol) & (left < 0.5 * error)
         if ok.any():
-            return combos[int(np.argmax(ok))]
+            return combos[int(np.argmin(np.where(ok, left, np.inf)))]
     return w.fault_bits
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from peat_jax._jax import cache_size
 from peat_jax.analyzer import device
-from peat_jax.check import VARIANTS, check_kernel, make_variant
+from peat_jax.check import VARIANTS, VJP_FORWARD, check_kernel, make_variant
 from peat_jax.errors import PeatError
 from peat_jax.pytest_plugin import PeatCheck
 from peat_jax.testing import assert_kernel_matches
@@ -78,9 +78,55 @@ def test_a_jitted_candidate_is_judged_as_the_same_function_unjitted(kernel):
     assert jitted.evidence["origin"]["output"] == plain.evidence["origin"]["output"]
 
 
-def test_a_jitted_candidate_compiles_two_programs_per_new_shape():
-    """Its forward, and its forward and backward together (eagerly, `jax.vjp` of a jitted
-    function compiles a linearised forward and a transposed backward besides)."""
+def _bwd_right(res, g):
+    a, b = res
+    return g @ b.T, a.T @ g
+
+
+@jax.custom_vjp
+def wrong_primal(a, b):
+    return (a @ b) * 1.5                 # the plain call is 1.5x too large
+
+
+wrong_primal.defvjp(_fwd, _bwd_right)
+
+
+@jax.custom_vjp
+def wrong_forward_rule(a, b):
+    return a @ b
+
+
+wrong_forward_rule.defvjp(lambda a, b: ((a @ b) * 1.5, (a, b)), _bwd_right)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jitted"])
+def test_the_plain_call_and_the_forward_under_vjp_are_both_checked(jit):
+    """A custom VJP computes its output twice: the plain call (inference) and the forward rule
+    (what training sees under jax.grad). Either one wrong fails its own check, jitted (forward
+    and backward in one program) or not; where both agree, only "forward" is listed."""
+    wrap = jax.jit if jit else (lambda f: f)
+    d = check_kernel(wrap(wrong_primal), wrap(ref), A, B, variants=("example",))
+    assert not d.passed and d.model == "wrong_scale", d.summary
+    assert d.evidence["origin"] == {"variant": "example", "output": "forward"}
+    checks = {(v, o): m for v, o, m in d.evidence["checks"]}
+    assert checks[("example", VJP_FORWARD)] in ("exact", "numerical_noise")
+    assert checks[("example", "grad[1]")] in ("exact", "numerical_noise")
+
+    d = check_kernel(wrap(wrong_forward_rule), wrap(ref), A, B, variants=("example",))
+    assert not d.passed and d.model == "wrong_scale", d.summary
+    assert d.evidence["origin"] == {"variant": "example", "output": VJP_FORWARD}
+    assert VJP_FORWARD in d.summary
+    checks = {(v, o): m for v, o, m in d.evidence["checks"]}
+    assert checks[("example", "forward")] == "exact"
+
+    d = check_kernel(wrap(wrong_bwd), wrap(ref), A, B, variants=("example",))
+    assert [o for _, o, _ in d.evidence["checks"] if not o.startswith("repeat")] == [
+        "forward", "grad[0]", "grad[1]"]
+
+
+def test_a_jitted_candidate_compiles_one_program_per_new_shape():
+    """Its forward and backward as one program (eagerly, `jax.vjp` of a jitted function
+    compiles a linearised forward and a transposed backward, and its plain call one more)."""
     compiled = []
 
     class Compiles(logging.Handler):
@@ -102,8 +148,8 @@ def test_a_jitted_candidate_compiles_two_programs_per_new_shape():
         log.removeHandler(handler)
     assert d.passed, d.summary
     mine = sorted(n for n in compiled if n.startswith("fresh_blocked"))
-    # two shapes (the example's, odd_shape's): the forward and the forward with its VJP
-    assert mine == ["fresh_blocked"] * 2 + ["fresh_blocked_vjp"] * 2, compiled
+    # two shapes (the example's, odd_shape's)
+    assert mine == ["fresh_blocked_vjp"] * 2, compiled
 
 
 def test_correct_kernel_passes_on_every_variant():

@@ -70,6 +70,27 @@ def test_one_ulp_difference_at_an_outlier_is_not_a_bit_flip():
     assert d.evidence["flip_sizes"][0] > d.evidence["rounding_reach"][0]
 
 
+def test_the_bit_named_flipped_explains_the_error():
+    """In a noisy tensor, an isolated element 21 ULPs off (its floor ~14 ULPs) is the golden
+    with bit 4 flipped (16 ULPs), give or take noise: not bit 0, the lowest bit whose flip
+    kept it within twice its floor. Flipping the named bit back at least halves its error."""
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal((64, 48)).astype(np.float32)
+    r = g.astype(np.float64) + rng.standard_normal(g.shape) * 1e-8
+    g[7, 9] = 3.0
+    ulp = float(np.spacing(np.float32(3.0)))
+    r[7, 9] = 3.0 + 3 * ulp                    # the golden's own error there: 3 ULPs
+    c = g.copy()
+    noisy = rng.random(g.shape) < 0.1
+    c[noisy] = np.nextafter(g[noisy], np.float32(np.inf))
+    c[7, 9] = np.float32(3.0 + 21 * ulp)
+    d = peat.detect(peat.analyze(c, g, r))
+    assert d.model == "bit_flip" and not d.passed, d.summary
+    back = (c[7, 9:10].view(np.uint32) ^ np.uint32(1 << d.evidence["bit"])).view(np.float32)
+    assert abs(float(back[0]) - 3.0) < 0.5 * 21 * ulp, d.summary
+    assert d.evidence["bit"] == 4
+
+
 def _isolated_residue(ulps_at_rms: float):
     """(candidate, golden): one element well below the tensor's rms (a residue of cancellation)
     off by `ulps_at_rms` ULPs of the rms; the golden exact (its float64 evaluation is itself)."""
