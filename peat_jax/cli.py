@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -225,6 +226,12 @@ def _batch(wl, step: int):
     return jax.tree.map(jnp.asarray, wl.batch(step))
 
 
+def _print_json(args, obj, **dumps_kw) -> None:
+    """`obj` as one JSON line on the command's standard output (`main` sends everything else
+    printed under ``--json``, a kernel's or jax's own prints included, to stderr)."""
+    print(json.dumps(obj, **dumps_kw), file=args.stdout, flush=True)
+
+
 # --------------------------------------------------------------------------------------------
 # Commands
 
@@ -233,7 +240,7 @@ def cmd_sites(args) -> int:
     state = wl.init(jax.random.key(args.seed))
     sites = peat.list_sites(wl.train_step, state, _batch(wl, 0), primitives=args.primitive or None)
     if args.json:
-        print(json.dumps([_site_json(s) for s in sites]))
+        _print_json(args, [_site_json(s) for s in sites])
         return 0
     from rich.table import Table
     t = Table(title=f"{len(sites)} sites in {wl.name}'s train step")
@@ -274,7 +281,7 @@ def cmd_profile(args) -> int:
            "resumed_from": g.resumed_from}
     peat.report.write_report(args.out)
     if args.json:
-        print(json.dumps(out))
+        _print_json(args, out)
     else:
         _say(args, f"golden run of {g.workload}: {g.steps} steps, loss {g.losses[0]:.4f} -> "
                    f"{g.losses[-1]:.4f}, checkpoints {list(g.checkpoints)}"
@@ -356,9 +363,9 @@ def _print_playback(args, cand, res) -> None:
     first = res.first_divergence()
     counts = res.summary()
     if args.json:
-        print(json.dumps({"campaign": res.campaign, "cells": records, "failing": len(failing),
-                          "first_divergence": first, "compiles": res.compiles,
-                          "summary": counts}))
+        _print_json(args, {"campaign": res.campaign, "cells": records, "failing": len(failing),
+                           "first_divergence": first, "compiles": res.compiles,
+                           "summary": counts})
         return
     _console().print(_cells_table(f"playback of {getattr(cand, 'name', cand)}", records))
     if first:
@@ -394,7 +401,7 @@ def cmd_runtime(args) -> int:
                          progress=p.task("training with injection"))
     peat.report.write_report(run_dir)
     if args.json:
-        print(json.dumps(r.to_dict()))
+        _print_json(args, r.to_dict())
     else:
         resumed = f"resumed from step {r.resumed_from}; " if r.resumed_from is not None else ""
         _say(args, f"runtime injection of {cand.name} {r.schedule}: outcome [bold]{r.outcome}[/] "
@@ -451,7 +458,7 @@ def cmd_check(args) -> int:
                              reference_precision=args.reference_precision,
                              conditioning=args.conditioning)
     if args.json:
-        print(json.dumps(_diag_json(diag)))
+        _print_json(args, _diag_json(diag))
     else:
         style = "green" if diag.passed else "red"
         _say(args, f"[{style}]{diag.summary}[/]")
@@ -471,7 +478,7 @@ def cmd_compare(args) -> int:
     saved = save_comparison(c)
     peat.report.write_report(args.run_a)
     if args.json:
-        print(json.dumps(c.to_dict(), allow_nan=False))
+        _print_json(args, c.to_dict(), allow_nan=False)
         return 1 if c.divergence else 0
     from rich.table import Table
     t = Table(title="environments")
@@ -489,7 +496,10 @@ def cmd_compare(args) -> int:
 
 def cmd_report(args) -> int:
     path = peat.report.write_report(args.run_dir, args.output)
-    print(json.dumps({"report": str(path)}) if args.json else f"report: {path}")
+    if args.json:
+        _print_json(args, {"report": str(path)})
+    else:
+        print(f"report: {path}")
     return 0
 
 
@@ -536,7 +546,7 @@ def cmd_demo(args) -> int:
     summary["report"] = str(report)
     summary["seconds"] = round(time.perf_counter() - t0, 1)
     if args.json:
-        print(json.dumps(summary))
+        _print_json(args, summary)
         return 0
     for name, s in summary["playback"].items():
         fd = s["first_divergence"]
@@ -706,8 +716,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     peat.enable_compilation_cache()
+    # under --json, stdout carries the one JSON object only: anything else printed while the
+    # command runs (the Pallas interpreter's race reports, a kernel's own prints) goes to stderr
+    args.stdout = sys.stdout
+    quiet = contextlib.redirect_stdout(sys.stderr) if getattr(args, "json", False) \
+        else contextlib.nullcontext()
     try:
-        return args.func(args)
+        with quiet:
+            return args.func(args)
     except PeatError as e:
         print(f"peat: error: {e}", file=sys.stderr)
         return 2

@@ -69,6 +69,16 @@ def test_check_fails_on_a_buggy_kernel_with_the_diagnosis():
     assert ok.returncode == 0 and json.loads(ok.stdout)["passed"] is True
 
 
+def test_check_json_is_one_object_on_stdout_whatever_the_kernel_prints():
+    """A racy Pallas kernel: the interpreter's race report and the kernel's own print go to
+    stderr; stdout holds the verdict alone."""
+    r = peat("check", "cli_kernels:racy_matmul", "--shapes", "8x16,16x8", "--json")
+    assert r.returncode == 1, r.stderr[-2000:]
+    d = json.loads(r.stdout)
+    assert d["model"] == "data_race" and not d["passed"]
+    assert "RACE DETECTED" in r.stderr and "racy_matmul: tracing" in r.stderr
+
+
 def test_check_holds_the_kernel_to_the_reference_precision():
     r = peat("check", "cli_kernels:tf32_matmul", "--shapes", "16x64,64x8", "--json")
     assert r.returncode == 1, r.stderr[-2000:]
