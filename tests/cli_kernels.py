@@ -62,29 +62,13 @@ def tf32_matmul():
 
 
 def _racy(a, b, **params):
-    """Split-K with the K grid axis marked "parallel" (two programs accumulate into one output
-    block), run by the checked Pallas interpreter, whose race detector prints its report to
-    stdout; and a print of its author's, left in."""
-    from jax.experimental import pallas as pl
-
-    from peat_jax.kernels import pallas as pk
+    """The corpus' split-K with the K grid axis marked "parallel" (two programs accumulate
+    into one output block), run by the checked Pallas interpreter, whose race detector prints
+    its report to stdout; and a print of its author's, left in."""
+    from corpus.bugs import race_split_k
 
     print("racy_matmul: tracing")
-
-    def body(a_ref, b_ref, o_ref):
-        @pl.when(pl.program_id(2) == 0)
-        def _():
-            o_ref[...] = jnp.zeros_like(o_ref)
-        o_ref[...] += jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
-
-    (m, k), n = a.shape, b.shape[1]
-    return pk.call(body, out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
-                   grid=(m // 8, n // 8, k // 8),
-                   in_specs=[pl.BlockSpec((8, 8), lambda i, j, kk: (i, kk)),
-                             pl.BlockSpec((8, 8), lambda i, j, kk: (kk, j))],
-                   out_specs=pl.BlockSpec((8, 8), lambda i, j, kk: (i, j)),
-                   dimension_semantics=("parallel",) * 3, name="racy_matmul",
-                   checks=True)(a, b)
+    return race_split_k(a, b)
 
 
 racy_matmul = peat.Kernel("racy_matmul", _racy, primitive="dot_general",
