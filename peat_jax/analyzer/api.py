@@ -178,7 +178,9 @@ def _analyze_leaf(path, c, g, r, k, reduction_length, noise_factor, ulp_allowanc
     if ulp_allowance is None:
         name = analyzed_format(g_dt).name
         ulp_allowance = DTYPE_ULP_ALLOWANCE[name] if r is None else REFERENCE_ULP_ALLOWANCE
-    _, coef = dtype_noise_bound(g_dt, reduction_length, noise_factor)
+    # the dtype bound's coefficient is a static option of the compiled statistics: with a
+    # float64 reference it is unused, and K (only the detector's there) must not recompile them
+    _, coef = dtype_noise_bound(g_dt, reduction_length if r is None else None, noise_factor)
     options = Options(noise_factor=float(noise_factor), ulp_allowance=float(ulp_allowance),
                       bound_coef=float(coef), sample_size=int(sample_size), blocks=BLOCK_SIZES)
     device = _home(c, g)
