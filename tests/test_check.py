@@ -187,6 +187,21 @@ def test_variants_and_reruns_share_the_analyzers_compiled_programs():
     assert [cache_size(p) for p in programs] == after
 
 
+def test_a_new_reduction_length_compiles_no_new_statistics():
+    """Two matmuls whose output and gradients share padded layouts but whose K differ (13, 21):
+    the second check compiles no analyzer program (K only widens the detector's rounding
+    reach; it recompiled the statistics once, for every new K)."""
+    programs = (device.shape_program, device.sample_program)
+    for inner in (13, 21):
+        a = jax.random.normal(jax.random.key(inner), (16, inner))
+        b = jax.random.normal(jax.random.key(inner + 1), (inner, 8))
+        d = check_kernel(blocked, ref, a, b, variants=("example",), repeats=1)
+        assert d.passed, d.summary
+        if inner == 13:
+            after = [cache_size(p) for p in programs]
+    assert [cache_size(p) for p in programs] == after
+
+
 def test_a_raising_candidate_still_raises_with_analyses_queued():
     calls = []
 
