@@ -29,7 +29,7 @@ from peat_jax.errors import PeatError
 from peat_jax.formats import float_format, round_to_format
 from peat_jax.kernels.pallas.interpret import races_found, reset_interpret_state
 from peat_jax.precision import at_matmul_precision, matmul_precision
-from peat_jax.sites import Site, list_sites
+from peat_jax.sites import REDUCING_PRIMITIVES, list_sites, reduction_length
 
 __all__ = ["CONDITIONING_PERTURBATIONS", "REFERENCE_SPREAD_FACTOR", "VARIANTS", "VJP_FORWARD",
            "check_kernel", "make_variant", "perturb_inputs"]
@@ -579,24 +579,6 @@ def _diagnose(cand, gold, ref64, opts: _Options, comparison: str = "golden",
     return detect(sig, allow=opts.allow)
 
 
-REDUCING_PRIMITIVES = ("dot_general", "reduce_sum", "conv_general_dilated")
-"""The ops whose reduction length `_longest_reduction` reads."""
-
-
-def _summed(site: Site) -> int:
-    """Elements one output element of `site` sums (1 for ops that sum nothing)."""
-    p, shapes = site.params, site.in_shapes
-    if site.primitive == "dot_general":
-        (lhs_contracting, _), _ = p["dimension_numbers"]
-        return math.prod(shapes[0][d] for d in lhs_contracting)
-    if site.primitive == "reduce_sum":
-        return math.prod(shapes[0][a] for a in p["axes"])
-    if site.primitive == "conv_general_dilated":
-        rhs, out_feature = shapes[1], p["dimension_numbers"].rhs_spec[0]
-        return math.prod(rhs) // max(rhs[out_feature], 1)
-    return 1
-
-
 def _longest_reduction(reference, run: _Run) -> Optional[int]:
     """The most elements any op of the reference's program sums into one output element, on
     the run's inputs, forward and (with gradients) backward (`REDUCING_PRIMITIVES`; a matmul's
@@ -611,7 +593,7 @@ def _longest_reduction(reference, run: _Run) -> Optional[int]:
         sites = list_sites(fn, *args, primitives=REDUCING_PRIMITIVES)
     except Exception:  # noqa: BLE001 - only a refinement of the rounding reach
         return None
-    longest = max((_summed(s) for s in sites), default=1)
+    longest = max((reduction_length(s) or 1 for s in sites), default=1)
     return longest if longest > 1 else None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import fnmatch
+import math
 import threading
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
@@ -16,7 +17,8 @@ from peat_jax import regions as _regions
 from peat_jax._region_registry import region_of
 from peat_jax.errors import PeatError
 
-__all__ = ["Site", "Selector", "list_sites", "select", "format_sites"]
+__all__ = ["REDUCING_PRIMITIVES", "Site", "Selector", "format_sites", "list_sites",
+           "reduction_length", "select"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,6 +306,28 @@ def summarize(sites: Sequence[Site], max_paths: int = 12) -> str:
     paths = sorted({s.path for s in sites if s.path})
     shown = ", ".join(paths[:max_paths]) + (" ..." if len(paths) > max_paths else "")
     return f"Sites that exist: {kinds}. Paths: {shown or '<none>'}."
+
+
+REDUCING_PRIMITIVES = ("dot_general", "reduce_sum", "conv_general_dilated")
+"""The primitives `reduction_length` reads."""
+
+
+def reduction_length(site: Site) -> Optional[int]:
+    """Elements one output element of `site` sums (a matmul's K, a reduction's extent, a
+    convolution's window times its input features); None for an op that sums nothing or is
+    not one of `REDUCING_PRIMITIVES`."""
+    p, shapes = site.params, site.in_shapes
+    if site.primitive == "dot_general":
+        (lhs_contracting, _), _ = p["dimension_numbers"]
+        k = math.prod(shapes[0][d] for d in lhs_contracting)
+    elif site.primitive == "reduce_sum":
+        k = math.prod(shapes[0][a] for a in p["axes"])
+    elif site.primitive == "conv_general_dilated":
+        rhs, out_feature = shapes[1], p["dimension_numbers"].rhs_spec[0]
+        k = math.prod(rhs) // max(rhs[out_feature], 1)
+    else:
+        return None
+    return int(k) or None
 
 
 def format_sites(sites: Sequence[Site]) -> str:

@@ -174,3 +174,19 @@ def test_site_order_is_stable(gpt):
     b = peat.list_sites(jax.value_and_grad(loss), params, tokens)
     assert a == b
     assert "bwd" in str(a[-1]) and "#%d" % a[-1].index in str(a[-1])
+
+
+def test_reduction_length_is_what_one_output_element_sums():
+    """A matmul's K, a sum's extent, a convolution's window times its input features; None for
+    an op that sums nothing."""
+    from peat_jax.sites import reduction_length
+
+    def f(a, b, x, w):
+        conv = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME")     # NCHW, OIHW
+        return jnp.sum(a @ b, axis=1), conv, jnp.tanh(a)
+
+    a, b = jnp.ones((5, 7)), jnp.ones((7, 3))
+    x, w = jnp.ones((1, 4, 6, 6)), jnp.ones((2, 4, 3, 3))
+    k = {s.primitive: reduction_length(s) for s in peat.list_sites(f, a, b, x, w)}
+    assert k["dot_general"] == 7 and k["reduce_sum"] == 3
+    assert k["conv_general_dilated"] == 4 * 3 * 3 and k["tanh"] is None

@@ -66,7 +66,7 @@ from jax import lax
 from peat_jax import _interpreter as _ip
 from peat_jax.errors import PeatError
 from peat_jax.profiler.rundir import atomic_write, atomic_write_json
-from peat_jax.sites import Site, Traced, Tracer
+from peat_jax.sites import Site, Traced, Tracer, reduction_length
 from peat_jax.substitute import Candidate, Substitution, fault_key, make_rules, resolve, run_rules
 
 __all__ = ["ALONE", "BLOCK", "CHUNK_STEPS", "ChunkWriter", "SAMPLE_DENSITY", "SAMPLE_SIZE",
@@ -364,10 +364,10 @@ def _numeric(dtype) -> bool:
 
 
 def _reduction_length(site: Site) -> Optional[int]:
+    """K of a matmul site's dtype bound (other sites keep the default)."""
     if site.primitive != "dot_general" or site.composite:
         return None
-    (lhs_contract, _), _ = site.params["dimension_numbers"]
-    return int(math.prod(site.in_shapes[0][d] for d in lhs_contract)) or None
+    return reduction_length(site)
 
 
 def describe_sites(sites: Sequence[Site], sampling: Sampling = Sampling()) -> list[StatsSite]:
