@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import json
 
+import jax
 import pytest
 
 import peat_jax as peat
 from peat_jax import models
 from peat_jax.profiler.golden import profile
 from peat_jax.report import render_report, write_report
+
+
+def _doubling(name: str) -> peat.Kernel:
+    """A dot_general kernel that returns twice the product (a `wrong_scale` candidate)."""
+    return peat.Kernel(name, lambda a, b, **p: 2.0 * jax.lax.dot_general(a, b, **p))
 
 
 @pytest.fixture(scope="module")
@@ -20,14 +26,14 @@ def run(tmp_path_factory):
 
 def test_user_strings_are_escaped(run):
     evil = "<script>alert(1)</script>"
-    kernel = peat.Kernel(evil, lambda a, b, **p: 2.0 * __import__("jax").lax.dot_general(a, b, **p))
-    peat.playback(run, {"fwd:dot_general": kernel}, checkpoints=[3], name="evil")
+    peat.playback(run, {"fwd:dot_general": _doubling(evil)}, checkpoints=[3], name="evil")
     page = render_report(run)
     assert evil not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
     assert "<script" not in page  # no script of any kind: the page is static
 
 
 def test_report_lists_verdicts_and_runtime_curves(run):
+    peat.playback(run, {"fwd:dot_general": _doubling("twice")}, checkpoints=[3], name="twice")
     peat.runtime(run, {"dot_general": peat.faults.scale(1.0)}, peat.every(2), steps=6, name="same")
     path = write_report(run)
     page = path.read_text()
@@ -35,7 +41,7 @@ def test_report_lists_verdicts_and_runtime_curves(run):
     assert 'class="grid verdicts"' in page and "wrong_scale" in page
     assert "Runtime injection: same" in page and "masked" in page
     assert page.count('class="fired"') == 3  # steps 0, 2, 4 marked
-    records = [json.loads(x) for x in (run / "campaigns" / "evil" / "results.jsonl").read_text().splitlines()]
+    records = [json.loads(x) for x in (run / "campaigns" / "twice" / "results.jsonl").read_text().splitlines()]
     assert all(r["local"]["model"] == "wrong_scale" for r in records)
     assert "ULP distance" in page and "error mask" in page
     # each cell also says what the candidate did to the step, in training terms
