@@ -278,6 +278,17 @@ def test_variants_are_what_they_say():
     assert odd[0].shape == (27, 27) and odd[1].shape == (27, 11)
 
 
+@pytest.mark.parametrize("sizes", [(5, 13), (29, 61), (125, 24)])
+def test_odd_shapes_are_never_whole_blocks(sizes):
+    """d + 3 is a whole number of 8-wide blocks for d = 5, 13, 29, 61, 125: the odd variant
+    must still leave a partial block in every dimension, and keep equal sizes equal."""
+    m, k = sizes
+    a, b = np.ones((m, k), np.float32), np.ones((k, m), np.float32)
+    odd_a, odd_b = make_variant("odd_shape", (a, b))
+    assert all(d % 8 and d > s for d, s in zip(odd_a.shape, (m, k)))
+    assert odd_b.shape == odd_a.shape[::-1]
+
+
 def test_errors():
     with pytest.raises(PeatError, match="example arguments"):
         check_kernel(ref, ref)
