@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import emulated_devices
 import jax
 import jax.numpy as jnp
 import pytest
@@ -90,8 +91,6 @@ def test_hosts_split_the_grid_and_read_each_others_results(run):
 
 @pytest.mark.slow
 def test_cells_spread_over_four_devices_give_the_same_verdicts(run, tmp_path):
-    import subprocess
-    import sys
     import textwrap
     script = textwrap.dedent(f"""
         import json, jax, peat_jax as peat
@@ -102,9 +101,7 @@ def test_cells_spread_over_four_devices_give_the_same_verdicts(run, tmp_path):
         print(json.dumps([[r["site"], r["local"]["model"], r["effect"]["model"]]
                           for r in res.records()]), res.compiles)
     """)
-    env = {**__import__("os").environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = emulated_devices.run(["-c", script], devices=4)
     assert out.returncode == 0, out.stderr[-2000:]
     four, compiles = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)
     one = playback(run, {"dot_general": peat.faults.scale(2.0)}, checkpoints=[20], name="one",

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import emulated_devices
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -274,13 +274,10 @@ def test_shard_map_layout_is_read_and_rebuilt_on_this_release():
 def child(tmp_path_factory) -> dict:
     """The checks' results from a child process with 4 emulated CPU devices."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                          f" --xla_force_host_platform_device_count={DEVICES}").strip(),
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"),
                                            os.environ.get("PYTHONPATH", "")]))
     run_dir = tmp_path_factory.mktemp("sharded")
-    proc = subprocess.run([sys.executable, __file__, str(run_dir)], env=env, timeout=300,
-                          capture_output=True, text=True)
+    proc = emulated_devices.run([__file__, str(run_dir)], devices=DEVICES, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
