@@ -113,8 +113,9 @@ def make_variant(name: str, args: tuple, seed: int = 0) -> Optional[tuple]:
       outliers: 1% of the elements (at least one) multiplied by 2**min(10, emax/4).
       odd_shape: every dimension size d >= 2 found in the float leaves becomes d + 3 (d + 4
         where d + 3 is a multiple of 8: never a multiple of 8, so no block of 8, 16, ..., 128
-        tiles it evenly; equal sizes stay equal, so matching dimensions still match), with fresh normal data of each leaf's standard deviation. None when a
-        non-float leaf has such a dimension.
+        tiles it evenly; equal sizes stay equal, so matching dimensions still match), with
+        fresh normal data of each leaf's standard deviation. None when a non-float leaf has
+        such a dimension.
     """
     if name == "example":
         return args
