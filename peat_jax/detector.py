@@ -161,6 +161,20 @@ def _g(x: float) -> str:
     return f"{x:.3g}"
 
 
+def _apart(a: float, b: float) -> tuple[str, str]:
+    """`a` and `b` written with as many significant digits (3 to 9) as tell them apart."""
+    for digits in range(3, 10):
+        sa, sb = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if sa != sb:
+            break
+    return sa, sb
+
+
+def _change(golden: float, candidate: float) -> str:
+    """"golden -> candidate", each with the digits that tell them apart."""
+    return " -> ".join(_apart(golden, candidate))
+
+
 def _share(x: float) -> str:
     return f"{100 * x:.0f}%"
 
@@ -190,7 +204,7 @@ def _nondeterministic(s: Signature) -> Optional[_Match]:
     ev = {"significant": s.counts.significant, "mismatched": s.counts.mismatched,
           "max_floor_ratio": s.errors.max_floor_ratio}
     w = s.worst[0] if s.worst else None
-    where = f", e.g. at {_idx(w)}: {_g(w.candidate)} vs {_g(w.golden)}" if w else ""
+    where = f", e.g. at {_idx(w)}: {' vs '.join(_apart(w.candidate, w.golden))}" if w else ""
     return _Match(ev, 1.0, f"{s.counts.significant} of {s.counts.elements} elements change from "
                            f"run to run beyond the noise floor{where}")
 
@@ -348,9 +362,20 @@ def _rounding_at_scale(s: Signature) -> Optional[_Match]:
           "reach_ulps": _reach_ulps(s), "rms_golden": s.noise.rms_golden}
     return _Match(ev, 0.6, f"{c.significant} isolated elements beyond their own floor but "
                            f"within rounding at the tensor's scale (e.g. {_idx(w)}: "
-                           f"{_g(w.golden)} -> {_g(w.candidate)}, |error| "
+                           f"{_change(w.golden, w.candidate)}, |error| "
                            f"{_g(abs(w.candidate - w.golden))} <= {_g(reach[0])}, "
                            f"{_g(_reach_ulps(s))} ULPs at rms {_g(s.noise.rms_golden)})")
+
+
+def _beyond_rounding(s: Signature) -> Optional[list[float]]:
+    """`_rounding_reach` at each listed worst element, or None unless every one of them is
+    beyond it (or non-finite): the condition for calling an isolated difference a flipped bit
+    rather than rounding after cancellation."""
+    reach = [_rounding_reach(s, w.golden) for w in s.worst]
+    if all(abs(w.candidate - w.golden) > r or not math.isfinite(w.candidate)
+           for w, r in zip(s.worst, reach)):
+        return reach
+    return None
 
 
 def _bit_flip(s: Signature) -> Optional[_Match]:
@@ -371,9 +396,8 @@ def _bit_flip(s: Signature) -> Optional[_Match]:
         if len(hb) != 1:
             return None
         flips.append((w, hb[0]))
-    reach = [_rounding_reach(s, w.golden) for w, _ in flips]
-    if not all(abs(w.candidate - w.golden) > r or not math.isfinite(w.candidate)
-               for (w, _), r in zip(flips, reach)):
+    reach = _beyond_rounding(s)
+    if reach is None:
         return None
     w, bit = flips[0]
     cls = bit_class(bit, s.dtype)
@@ -383,8 +407,8 @@ def _bit_flip(s: Signature) -> Optional[_Match]:
           "flip_sizes": [abs(x.candidate - x.golden) for x, _ in flips],
           "rounding_reach": reach, "reach_ulps": _reach_ulps(s)}
     more = f" (+{len(flips) - 1} more elements)" if len(flips) > 1 else ""
-    return _Match(ev, 1.0, f"one bit differs at {_idx(w)}: bit {bit} ({cls}), {_g(w.golden)} -> "
-                           f"{_g(w.candidate)}{more}")
+    return _Match(ev, 1.0, f"one bit differs at {_idx(w)}: bit {bit} ({cls}), "
+                           f"{_change(w.golden, w.candidate)}{more}")
 
 
 def _flip_limit(dtype: str) -> int:
@@ -425,7 +449,8 @@ def _nan_inf(s: Signature) -> Optional[_Match]:
 def _multi_bit_flip(s: Signature) -> Optional[_Match]:
     """Isolated significant elements (all listed), each the golden with 2..T bits flipped (found
     as for bit_flip; T = 3 for 16-bit, 4 for 32-bit, 6 for 64-bit dtypes; a value differing in
-    more bits is indistinguishable from a random value)."""
+    more bits is indistinguishable from a random value), each beyond what rounding at the
+    tensor's scale reaches (as for bit_flip)."""
     c = s.counts
     if c.significant == 0 or c.significant > _isolated_limit(s) or not _worst_all_listed(s):
         return None
@@ -433,13 +458,17 @@ def _multi_bit_flip(s: Signature) -> Optional[_Match]:
     per = [_fault_bits(w, s.dtype) for w in s.worst]
     if not all(2 <= len(h) <= limit for h in per):
         return None
+    reach = _beyond_rounding(s)
+    if reach is None:
+        return None
     w = s.worst[0]
     classes = sorted({bit_class(b, s.dtype) for b in per[0]})
     ev = {"elements": [list(x.index) for x in s.worst], "bits": [list(h) for h in per],
-          "classes": classes}
+          "classes": classes, "flip_sizes": [abs(x.candidate - x.golden) for x in s.worst],
+          "rounding_reach": reach, "reach_ulps": _reach_ulps(s)}
     return _Match(ev, 0.9, f"{len(per[0])} bits differ at {_idx(w)}: bits "
                            f"{', '.join(map(str, per[0]))} ({'/'.join(classes)}), "
-                           f"{_g(w.golden)} -> {_g(w.candidate)}")
+                           f"{_change(w.golden, w.candidate)}")
 
 
 def _permuted_layout(s: Signature) -> Optional[_Match]:
@@ -712,7 +741,7 @@ def _random_value(s: Signature) -> Optional[_Match]:
     ev = {"significant": c.significant, "share_of_elements": c.significant / _n(s),
           "large_error_share": s.errors.large_rel_significant}
     w = s.worst[0] if s.worst else None
-    ex = f", e.g. {_idx(w)}: {_g(w.golden)} -> {_g(w.candidate)}" if w else ""
+    ex = f", e.g. {_idx(w)}: {_change(w.golden, w.candidate)}" if w else ""
     return _Match(ev, s.errors.large_rel_significant,
                   f"{c.significant} of {c.elements} elements hold unrelated values{ex}")
 
@@ -728,8 +757,11 @@ def _unknown(s: Signature) -> Optional[_Match]:
         return _Match(ev, 0.5, "error distribution worse than the golden's (median or 90th, "
                                "and 99th percentile ULP error) but no element beyond the "
                                "floor")
+    w = s.worst[0] if s.worst else None
+    at = (f"; worst {_idx(w)}: {_change(w.golden, w.candidate)}, |error| "
+          f"{_g(abs(w.candidate - w.golden))} against a floor of {_g(w.floor)}") if w else ""
     return _Match(ev, 0.5, f"{c.significant} of {c.elements} elements beyond the noise floor "
-                           f"(max {_g(s.errors.max_floor_ratio)}x), no model fits")
+                           f"(max {_g(s.errors.max_floor_ratio)}x{at}), no model fits")
 
 
 RULES: tuple[Rule, ...] = (

@@ -54,19 +54,39 @@ def test_conditioning_needs_the_float64_reference():
         peat.analyze(g, g, conditioning=np.zeros((8, 8)))
 
 
-def test_one_ulp_difference_at_an_outlier_is_not_a_bit_flip():
-    """An isolated 1-ULP difference beyond an (artificially tight) floor: below what rounding at
-    the tensor's scale reaches, so not ``bit_flip``."""
+def _flipped(x, at, bits):
+    """`x` with the bits `bits` of element `at` flipped (float32)."""
+    c = x.copy()
+    mask = np.uint32(sum(1 << b for b in bits))
+    c[at] = (x[at].reshape(1).view(np.uint32) ^ mask).view(np.float32)[0]
+    return c
+
+
+@pytest.mark.parametrize("bits", [(0,), (1,), (0, 1)])
+def test_low_bits_differing_at_an_outlier_are_not_a_bit_flip(bits):
+    """An isolated difference of 1 to 3 ULPs in the lowest bits, beyond an (artificially tight)
+    floor: within what rounding at the element's scale reaches (F = 4 ULPs), so neither
+    ``bit_flip`` nor
+    ``multi_bit_flip``; the summary shows the values with the digits that tell them apart."""
     x = np.array(_normal((64, 48)))
     x[7, 9] = 268.0
-    c = x.copy()
-    c[7, 9] = np.nextafter(np.float32(268.0), np.float32(300.0))
+    c = _flipped(x, (7, 9), bits)
     d = peat.detect(peat.analyze(c, x, np.asarray(x, np.float64), ulp_allowance=0.0))
-    assert not d.passed and d.model != "bit_flip", d.summary
-    # a real flip (an exponent bit) at the same element still is one, with its numbers
-    c[7, 9] = np.float32(268.0 * 2 ** 16)
+    assert not d.passed and d.model not in ("bit_flip", "multi_bit_flip"), d.summary
+    assert f"268 -> {float(c[7, 9]):.9g}"[:10] in d.summary, d.summary
+
+
+@pytest.mark.parametrize("bits,model", [((23 + 4,), "bit_flip"),
+                                        ((23 + 4, 23 + 1), "multi_bit_flip"),
+                                        ((22, 0), "multi_bit_flip")])
+def test_flips_above_rounding_at_an_outlier_are_named(bits, model):
+    """A real flip at the same element (an exponent bit, or the top mantissa bit with a low
+    one) is still named, with its size against the rounding reach."""
+    x = np.array(_normal((64, 48)))
+    x[7, 9] = 268.0
+    c = _flipped(x, (7, 9), bits)
     d = peat.detect(peat.analyze(c, x, np.asarray(x, np.float64)))
-    assert d.model == "bit_flip", d.summary
+    assert d.model == model, d.summary
     assert d.evidence["flip_sizes"][0] > d.evidence["rounding_reach"][0]
 
 
