@@ -321,3 +321,21 @@ def test_dtype_bound_is_documented_formula():
     assert a == 1.0 and coef == pytest.approx(4 * 2.0 ** -23 * 16)
     a, coef = A.dtype_noise_bound(jnp.float32, reduction_length=1)
     assert a == 4.0 and coef == pytest.approx(4 * 2.0 ** -23)
+
+
+@pytest.mark.parametrize("shape", [(64, 48), (8, 300), (3, 40, 24)])
+@pytest.mark.parametrize("n_errors", [1, 5, 16, 17, 40])
+def test_worst_elements_are_the_largest_errors(shape, n_errors):
+    """The listed worst elements are the largest errors, worst first, wherever they sit: every
+    one of them when at most 16 (found from the rows the whole-leaf pass counted), the top 16
+    otherwise (rows ranked by a second pass)."""
+    rng = np.random.default_rng(n_errors)
+    g = rng.uniform(1.0, 2.0, shape).astype(np.float32)
+    c = g.copy()
+    flat = rng.choice(g.size, size=n_errors, replace=False)
+    sizes = (1.0 + np.arange(n_errors)) * 1e-2           # distinct, each far beyond the floor
+    c.reshape(-1)[flat] += sizes.astype(np.float32)
+    s = analyze(c, g)
+    assert s.counts.significant == n_errors
+    expected = [np.unravel_index(i, shape) for i in flat[np.argsort(-sizes)][:16]]
+    assert [w.index for w in s.worst] == [tuple(int(x) for x in e) for e in expected]

@@ -41,9 +41,10 @@ def _rare_counts(c, g, r, s: Scales, options: Options, f: FloatFormat, eloc):
          i32(e.mismatched & dg.zero & dc.subnormal), i32(dg.subnormal)], ["sum"] * 8, (0, 1))
 
 
-def whole_leaf(c, g, r, s: Scales, options: Options, f: FloatFormat) -> WholeLeaf:
+def whole_leaf(c, g, r, s: Scales, options: Options, f: FloatFormat) -> tuple[WholeLeaf, jax.Array]:
     """Exact whole-leaf counts and maxima of `Operand`s `c`, `g` (and the float64 reference `r`
-    or None).
+    or None), and the significant elements of each row of the 2-D view (int32 [R], kept on the
+    device for `structure`).
 
     One variadic reduction computes the common counts and maxima; the rare ones (non-finite,
     subnormal and flush counts) are counted in a second pass only when the first saw any.
@@ -77,7 +78,8 @@ def whole_leaf(c, g, r, s: Scales, options: Options, f: FloatFormat) -> WholeLea
         mismatched=n_mis, significant=n_sig, nonfinite_candidate=nf_c, nonfinite_golden=nf_g,
         new_nonfinite=new_nf, lost_nonfinite=lost_nf, flushed=ftz,
         significant_not_flushed=n_sig - sig_ftz, golden_flushed=gold_fl,
-        subnormal_golden=sub_g, max_abs=max_abs, max_floor_ratio=max_ratio, max_ulp=max_ulp)
+        subnormal_golden=sub_g, max_abs=max_abs, max_floor_ratio=max_ratio,
+        max_ulp=max_ulp), per_row[1]
 
 
 def conditioning_stats(c, g, r, s: Scales, options: Options,
@@ -135,10 +137,11 @@ def shape_program(c, g, r, options: Options, k=None, extent=None):
     c, g = Operand(c, None, f), Operand(g, None, f)
     idx = sample_index(c.size, options.sample_size)
     s = leaf_scales(c, g, r, idx, options, f, k, extent)
-    whole = whole_leaf(c, g, r, s, options, f)
+    whole, row_cnt = whole_leaf(c, g, r, s, options, f)
     rel_tol = _relative_tolerance(s, r, options, f)
     noise_free = (whole.mismatched - whole.significant) <= NOISE_FREE_SHARE * s.rows * s.cols
-    worst, struct = structure(c, g, r, s, options, f, whole.significant, rel_tol)
+    worst, struct = structure(c, g, r, s, options, f, whole.significant, rel_tol,
+                              row_cnt)
     stats = LeafStats(
         whole=whole, sample=None, worst=worst, structure=struct,
         permutation=permutation(c, g, r, s, options, f, whole.significant),

@@ -113,13 +113,15 @@ def _summary(row_cnt, col_cnt, rmax, rmin, rel_tol, shape, rows, cols) -> Struct
         rows_constant=rows_const.astype(jnp.float32))
 
 
-def structure(c, g, r, s: Scales, options: Options, f: FloatFormat, n_sig,
-              rel_tol) -> tuple[WorstStats, StructureStats]:
+def structure(c, g, r, s: Scales, options: Options, f: FloatFormat, n_sig, rel_tol,
+              row_cnt) -> tuple[WorstStats, StructureStats]:
     """The worst elements and the structure of the significant mask of `Operand`s `c`, `g` (and
-    the float64 reference `r` or None); all -1 / zero when `n_sig` (traced) is 0.
+    the float64 reference `r` or None); all -1 / zero when `n_sig` (traced) is 0. `row_cnt`:
+    the significant elements of each row of the 2-D view (int32 [R], from the whole-leaf pass).
 
-    One pass over the 2-D view reduces each row (significant count, worst score); the columns
-    need a second pass only when the errors are too many to be all listed among the worst.
+    When the significant elements are few enough to be all listed among the worst, they lie in
+    the rows `row_cnt` marks, which alone are read again: no other pass over the leaf. Else
+    one pass reduces each row's worst score, and a second counts the columns.
     """
     R, C, _, _ = view2d(c.shape)
     k = min(N_WORST, R * C)
@@ -127,8 +129,15 @@ def structure(c, g, r, s: Scales, options: Options, f: FloatFormat, n_sig,
     def run(_):
         c2, g2 = c.reshape(R, C), g.reshape(R, C)
         r2 = None if r is None else r.reshape(R, C)
-        el = elements(c2, g2, r2, s, options, f, local_scale_2d(s, R, C))
-        row_cnt, row_score = vreduce([i32(el.significant), _score(el)], ["sum", "max"], (1,))
+
+        def dense_rows(_):
+            el = elements(c2, g2, r2, s, options, f, local_scale_2d(s, R, C))
+            return vreduce([_score(el)], ["max"], (1,))[0]
+
+        def sparse_rows(_):   # at most k rows hold errors: any order of them finds them all
+            return jnp.where(row_cnt > 0, 1.0, -1.0).astype(jnp.float32)
+
+        row_score = lax.cond(n_sig > k, dense_rows, sparse_rows, None)
         worst = _worst(c2, g2, r2, row_score, s, options, f, min(N_WORST, R), k)
 
         def dense(_):
