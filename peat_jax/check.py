@@ -894,6 +894,12 @@ def _validated_repeats(candidate, reference, example_args: tuple, repeats) -> in
     if not example_args:
         raise PeatError("check_kernel needs example arguments: check_kernel(candidate, "
                         "reference, x, ...)")
+    for i, arg in enumerate(example_args):
+        for x in jax.tree_util.tree_leaves(arg):
+            if _is_float_leaf(x) and np.size(x) == 0:
+                raise PeatError(f"check_kernel: example argument {i} has an empty float array "
+                                f"(shape {tuple(np.shape(x))}): there is nothing to compare; "
+                                f"give inputs whose every dimension is >= 1")
     repeats = int(repeats)
     if repeats < 1:
         raise PeatError(f"repeats must be >= 1, got {repeats}")

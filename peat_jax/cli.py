@@ -418,9 +418,13 @@ def _say_nan_origin(args, r) -> None:
 
 def _shapes(text: str) -> list[tuple[int, ...]]:
     try:
-        return [tuple(int(d) for d in s.split("x")) for s in text.split(",") if s.strip()]
+        shapes = [tuple(int(d) for d in s.split("x")) for s in text.split(",") if s.strip()]
     except ValueError:
         raise PeatError(f"--shapes must look like 64x32,32x16, got {text!r}") from None
+    if not shapes or any(d < 1 for s in shapes for d in s):
+        raise PeatError(f"--shapes needs at least one shape, every dimension >= 1 (like "
+                        f"64x32,32x16), got {text!r}")
+    return shapes
 
 
 def cmd_check(args) -> int:

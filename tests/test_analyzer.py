@@ -339,3 +339,8 @@ def test_worst_elements_are_the_largest_errors(shape, n_errors):
     assert s.counts.significant == n_errors
     expected = [np.unravel_index(i, shape) for i in flat[np.argsort(-sizes)][:16]]
     assert [w.index for w in s.worst] == [tuple(int(x) for x in e) for e in expected]
+
+
+def test_empty_leaves_are_a_clear_error():
+    with pytest.raises(PeatError, match=r"are empty \(shape \(0, 3\)\): nothing to analyze"):
+        analyze(np.ones((0, 3), np.float32), np.ones((0, 3), np.float32))

@@ -294,6 +294,8 @@ def test_errors():
         check_kernel(ref, ref)
     with pytest.raises(PeatError, match="unknown variants"):
         check_kernel(ref, ref, A, B, variants=("huge",))
+    with pytest.raises(PeatError, match=r"argument 1 has an empty float array \(shape \(0, 4\)\)"):
+        check_kernel(ref, ref, A, np.ones((0, 4), np.float32))
 
     def opaque(a, b):
         return jax.pure_callback(lambda a, b: np.asarray(a) @ np.asarray(b),

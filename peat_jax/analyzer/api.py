@@ -136,7 +136,8 @@ def _check_leaf(where: str, c, g, r, k) -> None:
         return
     analyzed_format(g_dt)
     if math.prod(g_shape) == 0:
-        raise PeatError(f"leaf{where} is empty: nothing to analyze")
+        raise PeatError(f"candidate and golden{where} are empty (shape {g_shape}): nothing to "
+                        f"analyze; pass arrays with at least one element")
     if r is not None and tuple(np.shape(r)) != g_shape:
         raise PeatError(f"reference64{where} has shape {tuple(np.shape(r))}, golden has "
                         f"{g_shape}")
