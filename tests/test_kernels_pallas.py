@@ -230,3 +230,13 @@ def test_bad_options_fail_when_the_kernel_is_made():
     with pytest.raises(peat.PeatError, match="eps must be positive"):
         pk.pallas_layer_norm(eps=0.0)
     assert pk.interpret_mode() is (jax.default_backend() == "cpu")
+
+
+@pytest.mark.parametrize("factory", ["jax_pallas_layer_norm", "jax_pallas_mha"])
+def test_jax_shipped_kernels_import_without_a_deprecation_warning(factory):
+    """jax 0.11+ deprecates its Pallas GPU ops (for tokamax); the factories silence that one
+    warning (it would point at peat's import) and warn about nothing else."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        getattr(pk, factory)()

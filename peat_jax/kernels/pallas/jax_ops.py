@@ -9,13 +9,22 @@
 
 Both carry Triton compiler params, so they run compiled on GPU or in the plain interpreter on CPU;
 the checked interpreter (`checks=`) cannot run them (see `peat_jax.kernels.pallas.interpret`).
+
+jax 0.11 deprecated both modules in favour of tokamax (not a dependency here: nothing is
+downloaded). They are still shipped up to the newest tested jax (0.12), so the factories import
+them with that DeprecationWarning silenced (it would point at peat's line, where a user can do
+nothing about it); once a jax release drops them, a factory raises a `PeatError` saying so.
 """
 from __future__ import annotations
 
 import functools
+import importlib
 import math
+import re
+import warnings
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 
 from peat_jax.errors import PeatError
@@ -26,6 +35,21 @@ from peat_jax.kernels.pallas.attention import attention_supports
 from peat_jax.kernels.pallas.layer_norm import layer_norm_supports
 
 __all__ = ["jax_pallas_layer_norm", "jax_pallas_mha"]
+
+
+def _shipped(module: str, instead: str):
+    """jax's `jax.experimental.pallas.ops.gpu.<module>` (its deprecation warning silenced); a
+    PeatError naming `instead` (peat's own kernel for the region) when this jax has none."""
+    path = f"jax.experimental.pallas.ops.gpu.{module}"
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning,
+                                    message=rf"{re.escape(path)} is deprecated")
+            return importlib.import_module(path)
+    except ImportError as e:
+        raise PeatError(f"jax {jax.__version__} does not ship {path} (deprecated since jax "
+                        f"0.11 in favour of tokamax): use {instead}, or wrap tokamax's kernel "
+                        f"in a peat.Kernel") from e
 
 
 def jax_pallas_layer_norm(eps: float = 1e-6, *, interpret: Optional[bool] = None) -> Kernel:
@@ -40,7 +64,7 @@ def jax_pallas_layer_norm(eps: float = 1e-6, *, interpret: Optional[bool] = None
       A Kernel returning x's shape in the promoted dtype of (x, scale, bias); forward and
       backward are jax's Pallas kernels (rows of x are viewed as `[rows, 1, n]`).
     """
-    from jax.experimental.pallas.ops.gpu import layer_norm as _ln
+    _ln = _shipped("layer_norm", "peat.kernels.pallas_layer_norm()")
     _interp.validate_interpret(interpret, None)
     eps = float(eps)
     if not eps > 0:
@@ -73,7 +97,7 @@ def jax_pallas_mha(causal: bool = False, *, sm_scale: Optional[float] = None, bl
     Returns:
       A Kernel returning q's shape and dtype; forward and backward are jax's Pallas kernels.
     """
-    from jax.experimental.pallas.ops.gpu import attention as _att
+    _att = _shipped("attention", "peat.kernels.pallas_attention()")
     _interp.validate_interpret(interpret, None)
     block_q, block_k = check_block("block_q", block_q), check_block("block_k", block_k)
     causal = bool(causal)
