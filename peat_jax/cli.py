@@ -441,7 +441,10 @@ def cmd_check(args) -> int:
             raise PeatError(f"{args.kernel} takes {n_args} operand(s); --shapes gave {len(xs)} "
                             f"(default {region[2]})")
     else:
-        if kernel.primitive != "dot_general" or len(xs) != 2:
+        if kernel.primitive == "dot_general" and len(xs) != 2:
+            raise PeatError(f"{args.kernel} multiplies two operands: --shapes takes two shapes "
+                            f"like 67x45,45x33 (MxK,KxN), got {len(xs)} ({args.shapes!r})")
+        if kernel.primitive != "dot_general":
             raise PeatError(f"peat check runs dot_general kernels on two operands and the bundled "
                             f"{', '.join(REGION_KERNELS)}; kernel {kernel.name!r} serves "
                             f"{kernel.primitive!r}: use peat.check_kernel from Python for others")

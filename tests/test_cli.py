@@ -112,6 +112,7 @@ def test_check_runs_a_bundled_region_kernel_against_its_reference():
     (["check", "cli_kernels:nothing_here"], "has no attribute 'nothing_here'"),
     (["check", "pallas_matmul", "--reference-precision", "tf32"], "invalid choice: 'tf32'"),
     (["check", "pallas_matmul", "--shapes", "0x3,3x4"], "every dimension >= 1"),
+    (["check", "pallas_matmul", "--shapes", "4x3"], "takes two shapes like 67x45,45x33"),
     (["profile", "vision", "--out", "/tmp/x", "--precision", "fp32"], "invalid choice: 'fp32'"),
 ])
 def test_bad_arguments_give_one_line_error_and_no_traceback(args, needle):
