@@ -12,9 +12,9 @@ first_check_s: wall time of a cold ``peat check pallas_matmul`` in a fresh subpr
 second_shape_s: in one fresh process, after that check, a second one on other shapes
   (``--shapes 40x24,24x56``): what an author pays per new shape. Goal < 1.
 second_shape_kernel_compile_s: of that, the seconds XLA spent compiling the kernel itself (the
-  jitted Pallas matmul, interpreted: its forward, and its forward and backward as one program
-  (`candidate_vjp`), at the new shapes and at their odd variant), read from jax's compile log:
-  the author's own cost.
+  jitted Pallas matmul, interpreted: its forward and backward at the new shapes and at their
+  odd variant, one program (`candidate_vjp_pair`) for small inputs, else one each
+  (`candidate_vjp`)), read from jax's compile log: the author's own cost.
 second_shape_kernel_s: the same programs' tracing, lowering to MLIR and XLA compilation (the
   kernel's whole cost to be built at a new shape; the Pallas interpreter's lowering is most of
   the part that is not XLA's); second_shape_peat_s: second_shape_s less that, what peat itself
@@ -79,7 +79,7 @@ import json, logging, re, time
 import jax
 from peat_jax import _jax, cli
 from peat_jax.analyzer import device
-KERNEL = ("candidate", "candidate_vjp")
+KERNEL = ("candidate", "candidate_vjp", "candidate_vjp_pair")
 STAGE = re.compile(r"Finished (tracing (\w+) for jit|jaxpr to MLIR module conversion "
                    r"jit\((\w+)\)|XLA compilation of jit\((\w+)\)) in ([0-9.e-]+) sec")
 kernel = {"compile": 0.0, "all": 0.0}   # seconds spent on KERNEL's programs

@@ -124,9 +124,14 @@ def test_the_plain_call_and_the_forward_under_vjp_are_both_checked(jit):
         "forward", "grad[0]", "grad[1]"]
 
 
-def test_a_jitted_candidate_compiles_one_program_per_new_shape():
+@pytest.mark.parametrize("paired", [True, False])
+def test_a_jitted_candidate_compiles_one_program_per_new_shape(paired, monkeypatch):
     """Its forward and backward as one program (eagerly, `jax.vjp` of a jitted function
-    compiles a linearised forward and a transposed backward, and its plain call one more)."""
+    compiles a linearised forward and a transposed backward, and its plain call one more);
+    small, the example's shapes and the odd variant's as one program (`_Pairing`)."""
+    from peat_jax import check
+    if not paired:
+        monkeypatch.setattr(check, "PAIR_MAX_ELEMENTS", 0)
     compiled = []
 
     class Compiles(logging.Handler):
@@ -149,7 +154,11 @@ def test_a_jitted_candidate_compiles_one_program_per_new_shape():
     assert d.passed, d.summary
     mine = sorted(n for n in compiled if n.startswith("fresh_blocked"))
     # two shapes (the example's, odd_shape's)
-    assert mine == ["fresh_blocked_vjp"] * 2, compiled
+    assert mine == (["fresh_blocked_vjp_pair"] if paired else ["fresh_blocked_vjp"] * 2), compiled
+    # the reference: forward and backward as one program per shape, in float32 and float64
+    # (at most: another test's may be cached)
+    others = [n for n in compiled if not n.startswith("fresh_blocked")]
+    assert set(others) <= {"ref_vjp"} and len(others) <= 4, compiled
 
 
 def test_correct_kernel_passes_on_every_variant():
@@ -338,3 +347,80 @@ def test_fixture_defaults_come_from_the_command_line():
     d = check(wrong_bwd, ref, A, B)           # backward off: the wrong gradient is not seen
     assert d.passed and {o for _, o, _ in d.evidence["checks"]} == {"forward",
                                                                    "repeat forward"}
+
+
+# ------------------------------------------------------------------------------------------
+# The candidate at the example's shapes and at the odd variant's, built as one program
+
+
+def _pallas_mm():
+    from peat_jax.kernels.pallas.matmul import matmul
+    return jax.jit(lambda a, b: matmul(a, b, block_m=8, block_n=8, block_k=8))
+
+
+def test_the_paired_program_computes_what_each_shape_computes_alone():
+    """Each half of the pair program is bitwise the program of that shape alone (forward,
+    forward under vjp, gradients): pairing changes what is compiled, not what is computed."""
+    from peat_jax import check
+    cand = _pallas_mm()
+    rng = np.random.default_rng(0)
+    halves = []
+    for shape in ((16, 24, 8), (19, 27, 11)):
+        m, k, n = shape
+        args = (jnp.asarray(rng.standard_normal((m, k)), jnp.float32),
+                jnp.asarray(rng.standard_normal((k, n)), jnp.float32))
+        halves.append((args, jnp.asarray(rng.standard_normal((m, n)), jnp.float32)))
+    paired = check._jitted_pair(cand, (0, 1))(halves[0], halves[1])
+    for half, together in zip(halves, paired):
+        alone = check._jitted_vjp(cand, (0, 1), True)(*half)
+        for x, y in zip(jax.tree_util.tree_leaves(alone), jax.tree_util.tree_leaves(together)):
+            assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def test_a_small_check_builds_the_candidate_once_for_both_shapes(monkeypatch):
+    """A jitted candidate checked on small inputs compiles one program for the example's shapes
+    and the odd variant's (not one each), and the check's verdict and every check's model are
+    those of the check without pairing."""
+    from peat_jax import check
+    a = np.random.default_rng(1).standard_normal((16, 24)).astype(np.float32)
+    b = np.random.default_rng(2).standard_normal((24, 8)).astype(np.float32)
+    cand = _pallas_mm()
+    paired = check_kernel(cand, ref, a, b)
+    assert cache_size(check._jitted_pair(cand, (0, 1))) == 1
+    assert cache_size(check._jitted_vjp(cand, (0, 1), True)) == 0
+    monkeypatch.setattr(check, "PAIR_MAX_ELEMENTS", 0)
+    alone_cand = _pallas_mm()
+    alone = check_kernel(alone_cand, ref, a, b)
+    assert cache_size(check._jitted_pair(alone_cand, (0, 1))) == 0
+    assert cache_size(check._jitted_vjp(alone_cand, (0, 1), True)) == 2
+    assert (paired.model, paired.passed) == (alone.model, alone.passed)
+    assert paired.evidence["checks"] == alone.evidence["checks"]
+
+
+def test_pairing_still_skips_odd_shapes_the_candidate_rejects():
+    @jax.jit
+    def only_multiples_of_8(a, b):
+        if any(d % 8 for d in a.shape + b.shape):
+            raise ValueError("block-aligned shapes only")
+        return a @ b
+
+    d = check_kernel(only_multiples_of_8, ref, np.ones((16, 8), np.float32),
+                     np.ones((8, 16), np.float32))
+    assert d.passed, d.summary
+    assert "odd_shape" in d.evidence["skipped"], d.evidence
+
+
+def test_pairing_blames_a_fault_on_the_odd_variant_only():
+    """A candidate wrong only at shapes that are not multiples of 8 (its two halves share one
+    program) fails on odd_shape alone: tile_boundary, origin odd_shape."""
+    @jax.jit
+    def wrong_at_partial_blocks(a, b):
+        out = a @ b
+        return out.at[-1].multiply(1.5) if a.shape[0] % 8 else out
+
+    d = check_kernel(wrong_at_partial_blocks, ref, np.ones((16, 8), np.float32) * 0.5,
+                     np.ones((8, 16), np.float32))
+    assert not d.passed and d.model == "tile_boundary", d.summary
+    assert d.evidence["origin"]["variant"] == "odd_shape"
+    assert {v for v, _, m in d.evidence["checks"] if m not in ("exact", "numerical_noise")} == \
+        {"odd_shape"}
