@@ -314,6 +314,25 @@ def test_errors():
         check_kernel(opaque, ref, A, B, variants=("example",))
 
 
+@pytest.mark.parametrize("fails", ["at_run_time", "backward"])
+def test_a_jitted_reference_that_fails_says_which_part(fails):
+    """A jitted reference runs forward and backward as one program; when that program fails,
+    the error still says whether the forward raised or the reference is not differentiable."""
+    def raising(x):
+        raise ValueError("the reference's own failure")
+
+    def opaque(a, b):
+        out = jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), a.dtype)
+        if fails == "at_run_time":
+            return jax.pure_callback(raising, out, a)
+        return jax.pure_callback(lambda a, b: np.asarray(a) @ np.asarray(b), out, a, b)
+
+    match = "the reference raised on the 'example' inputs" if fails == "at_run_time" else \
+        "the reference is not differentiable"
+    with pytest.raises(PeatError, match=match):
+        check_kernel(ref, jax.jit(opaque), A, B, variants=("example",))
+
+
 def test_atol_is_an_escape_hatch():
     shifted = lambda a, b: a @ b + 1e-3     # noqa: E731
     assert not check_kernel(shifted, ref, A, B, variants=("example",), backward=False).passed
