@@ -1161,8 +1161,8 @@ def _run_variants(pool, candidate, reference, example_args, names, positions, re
 def _pairing(candidate, reference, example_args, names, positions, seed) -> Optional[_Pairing]:
     """The check's `_Pairing`, or None: no backward, no odd_shape variant, a candidate that is
     not jitted, a variant with more than `PAIR_MAX_ELEMENTS` float elements or one the
-    reference cannot run. The odd variant's inputs and cotangent are those `_run_variants`
-    draws for it (same seeds)."""
+    reference or the candidate cannot trace. The odd variant's inputs and cotangent are those
+    `_run_variants` draws for it (same seeds)."""
     if not positions or "odd_shape" not in names or not _is_jitted(candidate):
         return None
     vi = names.index("odd_shape")
@@ -1176,6 +1176,10 @@ def _pairing(candidate, reference, example_args, names, positions, seed) -> Opti
     except Exception:  # noqa: BLE001 - the variant's own run reports it
         return None
     if not _has_float(gold):
+        return None
+    try:   # a candidate that rejects these shapes would fail the pair's trace half way
+        jax.eval_shape(candidate, *args)
+    except Exception:  # noqa: BLE001 - the variant's own run reports it
         return None
     ct = _cotangent(gold, np.random.default_rng([seed, vi]))
     return _Pairing(odd=(args, ct)) if _fusable(candidate, args, ct) else None
