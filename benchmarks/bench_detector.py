@@ -4,6 +4,8 @@
 bugs / correct: entries of each kind run here (torch entries only where torch is installed).
 recall: fraction of the buggy kernels that fail. false_alarms: correct kernels that fail.
 attribution: fraction of the buggy kernels named with their expected model.
+without_float64: entries judged, on some variant, without a float64 reference (the dtype bound
+  as the floor; `evidence["no_float64_reference"]`): none expected.
 entries: per entry [kind, expected, diagnosed model, passed, seconds].
 seconds: wall time of the whole run.
 
@@ -79,6 +81,7 @@ def main(argv=None) -> dict:
                              / max(len(bugs), 1), 3),
         "misnamed": sorted(e.name for e, d in bugs if d.model != e.expected),
         "flagged_correct": sorted(e.name for e, d in correct if not d.passed),
+        "without_float64": sorted(e.name for e, d in rows if "no_float64_reference" in d.evidence),
         "seconds": round(time.perf_counter() - t0, 1),
         "entries": entries,
     }

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax.analyzer import analyze
-from peat_jax.detector import (Diagnosis, Float64Evidence, by_float64, data_race, detect,
-                               narrowed, only_on_odd_shapes, severity)
+from peat_jax.detector import (Diagnosis, Float64Evidence, bitwise_equal, by_float64, data_race,
+                               detect, narrowed, only_on_odd_shapes, severity)
 from peat_jax.errors import PeatError
 from peat_jax.formats import float_format, round_to_format
 from peat_jax.kernels.pallas.interpret import races_found, reset_interpret_state
@@ -340,10 +340,14 @@ def _all_f64(tree) -> bool:
     return bool(floats) and all(x.dtype == np.float64 for x in floats)
 
 
-def _same_structure(a, b) -> bool:
+def _same_structure(a, b, dtypes: bool = False) -> bool:
+    """Same tree structure and shapes (with `dtypes`, and dtypes: one jitted program serves
+    both)."""
     la, ta = jax.tree_util.tree_flatten(a)
     lb, tb = jax.tree_util.tree_flatten(b)
-    return ta == tb and all(np.shape(x) == np.shape(y) for x, y in zip(la, lb))
+    return ta == tb and all(np.shape(x) == np.shape(y) and
+                            (not dtypes or jnp.result_type(x) == jnp.result_type(y))
+                            for x, y in zip(la, lb))
 
 
 def _call(fn, args, what: str, variant: str):
@@ -435,14 +439,6 @@ def _bitwise_equal(a, b) -> bool:
         and _np(x).tobytes() == _np(y).tobytes() for x, y in zip(la, lb))
 
 
-def _same_avals(a, b) -> bool:
-    """Same tree structure, shapes and dtypes (one jitted program serves both)."""
-    la, ta = jax.tree_util.tree_flatten(a)
-    lb, tb = jax.tree_util.tree_flatten(b)
-    return ta == tb and all(np.shape(x) == np.shape(y) and jnp.result_type(x) == jnp.result_type(y)
-                            for x, y in zip(la, lb))
-
-
 def _paired_vjp(fn, args, positions, ct, pairing: Optional[_Pairing]) -> Optional[_Outputs]:
     """`_vjp(fn, args, positions, ct, plain_forward=True)` run through `pairing`'s program, or
     None: no pairing (or it is off), `args` of neither of its shapes, or the paired call raised
@@ -451,10 +447,10 @@ def _paired_vjp(fn, args, positions, ct, pairing: Optional[_Pairing]) -> Optiona
     if pairing is None or not pairing.on:
         return None
     here = (args, ct)
-    odd = _same_avals(here, pairing.odd)
+    odd = _same_structure(here, pairing.odd, dtypes=True)
     if not odd and pairing.main is None:
         pairing.main = here      # the example's call: the first one
-    if pairing.main is None or not (odd or _same_avals(here, pairing.main)):
+    if pairing.main is None or not (odd or _same_structure(here, pairing.main, dtypes=True)):
         return None
     first, second = (pairing.main, here) if odd else (here, pairing.odd)
     try:
@@ -550,10 +546,11 @@ def _outputs_again(fn, run: _Run, what: str,
     return outs
 
 
-def _reference64(reference, run: _Run, args64=None) -> dict[str, Any]:
-    """The reference's outputs in float64 (by output name) on the run's inputs (or on
-    `args64`, float64 host arrays of the same structure): empty when it cannot run there (it
-    raises, or returns a narrower float); without the gradients when only they are narrower."""
+def _reference64(reference, run: _Run, args64=None) -> tuple[dict[str, Any], str]:
+    """(outputs, why not) of the reference in float64 (by output name) on the run's inputs (or
+    on `args64`, float64 host arrays of the same structure): ({}, why) when it cannot run there
+    (it raises, or returns a narrower float: a dtype pinned in it); without the gradients (and
+    why) when only they are narrower; ("") when all of them are there."""
     try:
         with jax.enable_x64(True):
             a64 = _to_jax(_as64(run.args) if args64 is None else args64)
@@ -568,14 +565,33 @@ def _reference64(reference, run: _Run, args64=None) -> dict[str, Any]:
             else:
                 outs = {"forward": reference(*a64)}
             outs = jax.device_get(outs)
-    except Exception:  # noqa: BLE001 - any failure means "no float64 reference"
-        return {}
+    except Exception as e:  # noqa: BLE001 - any failure means "no float64 reference"
+        pinned = _narrow_output(reference, run, args64)
+        if pinned:   # the VJP raised on a float64 cotangent for a narrower output
+            return {}, pinned
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return {}, f"raised under float64 ({type(e).__name__}: {first[:160]})"
     forwards = [o for o in ("forward", VJP_FORWARD) if o in outs]
     if not all(_all_f64(outs[o]) for o in forwards):
-        return {}
+        return {}, _narrow_output(reference, run, args64)
     if not all(_all_f64(v) for v in outs.values()):
-        return {o: outs[o] for o in forwards}
-    return outs
+        return ({o: outs[o] for o in forwards},
+                "returns gradients narrower than float64 (those outputs only)")
+    return outs, ""
+
+
+def _narrow_output(fn, run: _Run, args64=None) -> str:
+    """Why `fn`'s output is no float64 reference when, traced on float64 inputs, it has a
+    narrower float leaf (a dtype pinned in it); "" when it has none or cannot be traced."""
+    try:
+        with jax.enable_x64(True):
+            out = jax.eval_shape(fn, *_to_jax(_as64(run.args) if args64 is None else args64))
+    except Exception:  # noqa: BLE001 - the caller reports what raised
+        return ""
+    narrow = sorted({x.dtype.name for x in jax.tree_util.tree_leaves(out)
+                     if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float64})
+    return (f"returns {', '.join(narrow)} on float64 inputs (a dtype pinned in it: let it "
+            f"follow its inputs' dtype)") if narrow else ""
 
 
 CONDITIONING_PERTURBATIONS = 3
@@ -618,7 +634,7 @@ def _conditioning(reference, run: _Run, ref64: dict[str, Any], seed: int) -> dic
     rng = np.random.default_rng(seed)
     worst: dict[str, Any] = {}
     for _ in range(CONDITIONING_PERTURBATIONS):
-        moved = _reference64(reference, run, perturb_inputs(run.args, rng))
+        moved, _ = _reference64(reference, run, perturb_inputs(run.args, rng))
         if set(moved) != set(ref64):
             return {}
         for o, m in moved.items():
@@ -683,7 +699,11 @@ def _forgive(candidate, golden, atol: Optional[float], rtol: Optional[float]):
 def _diagnose(cand, gold, ref64, opts: _Options, comparison: str = "golden",
               conditioning=None, reduction_length: Optional[int] = None) -> Diagnosis:
     """`detect(analyze(...))` of one output; `reduction_length` (with `ref64` only) is the K
-    to use when the caller gave none (`_longest_reduction`)."""
+    to use when the caller gave none (`_longest_reduction`). A repeat bitwise equal to the
+    first run is ``exact`` without an analysis (as `detect` would say): a deterministic
+    kernel's repeats compile no statistics of their own."""
+    if comparison == "repeat" and _bitwise_equal(cand, gold):
+        return bitwise_equal(sum(np.size(x) for x in jax.tree.leaves(gold)), comparison)
     cand = _forgive(cand, gold, opts.atol, opts.rtol)
     k = opts.reduction_length
     if k is None and ref64 is not None:
@@ -720,12 +740,17 @@ class _Pending(NamedTuple):
 
 
 def _comparisons(pool: ThreadPoolExecutor, reference, run: _Run, opts: _Options,
-                 seed: int, refs64: dict[str, dict[str, Any]]) -> list[_Pending]:
+                 seed: int, refs64: dict[str, dict[str, Any]],
+                 why64: dict[str, str]) -> list[_Pending]:
     """Candidate against reference for every output of the run, with the float64 reference as
-    the noise floor where it exists (kept in ``refs64[run.variant]`` for `_judged_by_float64`),
-    and its spread under 1-ULP input perturbations as the conditioning floor (unless
-    ``opts.conditioning`` is off); analysed on `pool`."""
-    ref64 = refs64[run.variant] = _reference64(reference, run)
+    the noise floor where it exists (kept in ``refs64[run.variant]`` for `_judged_by_float64`;
+    where it does not, why in ``why64[run.variant]``), and its spread under 1-ULP input
+    perturbations as the conditioning floor (unless ``opts.conditioning`` is off); analysed on
+    `pool`."""
+    ref64, why = _reference64(reference, run)
+    refs64[run.variant] = ref64
+    if why:
+        why64[run.variant] = why
     cond = _conditioning(reference, run, ref64, seed) if opts.conditioning else {}
     k = _longest_reduction(reference, run) if ref64 and opts.reduction_length is None else None
     return [_Pending(run.variant, output, _submit(
@@ -748,7 +773,7 @@ def _judged_by_float64(checks: list[_Check], candidate, runs: dict[str, _Run],
             continue
         run = runs[c.variant]
         if c.variant not in cand64:
-            cand64[c.variant] = _reference64(candidate, run)
+            cand64[c.variant], _ = _reference64(candidate, run)
         judged.append(_by_float64(c, run, ref64, cand64[c.variant], opts))
     return judged
 
@@ -929,10 +954,11 @@ def _narrowest_formats(checks: Sequence[_Check]) -> tuple[str, ...]:
 
 
 def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
-             spread: dict[tuple[str, str], _Spread], precision: str) -> Diagnosis:
+             spread: dict[tuple[str, str], _Spread], precision: str,
+             no_float64: dict[str, str]) -> Diagnosis:
     """The worst check's diagnosis, its evidence extended with where it came from, every
     check's model, the skipped variants, the reference's matmul precision and its
-    nondeterminism."""
+    nondeterminism, and the variants without a float64 reference (and why)."""
     worst = max(checks, key=_check_key)
     failing = [c for c in checks if not c.diagnosis.passed]
     passing = {c.variant for c in checks} - {c.variant for c in failing}
@@ -945,6 +971,11 @@ def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
                                             for (v, o), s in spread.items()}
         note = (f"; note: the reference itself is nondeterministic (run-to-run max |diff| up to "
                 f"{max(s.reference for s in spread.values()):.3g})")
+    if no_float64:
+        ev["no_float64_reference"] = dict(no_float64)
+        note += (f"; note: the floor is the dtype bound, not a float64 reference, on "
+                 f"{len(no_float64)} of {len({c.variant for c in checks})} variants: the "
+                 f"reference {next(iter(no_float64.values()))}")
     conditioned = _conditioned(checks)
     if conditioned:
         ev["conditioned_checks"] = conditioned
@@ -1115,23 +1146,25 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     spread: dict[tuple[str, str], _Spread] = {}
     runs: dict[str, _Run] = {}
     refs64: dict[str, dict[str, Any]] = {}
+    why64: dict[str, str] = {}
     pool = ThreadPoolExecutor(_analysis_workers(), thread_name_prefix="peat-analyze")
     try:
         pending = _run_variants(pool, candidate, reference, example_args, names, positions,
-                                repeats, opts, seed, skipped, spread, runs, refs64)
+                                repeats, opts, seed, skipped, spread, runs, refs64, why64)
         checks = [_Check(p.variant, p.output, p.diagnosis.result()) for p in pending]
     finally:
         pool.shutdown(cancel_futures=True)   # a raising candidate leaves analyses queued
     checks = _judged_by_float64(checks, candidate, runs, refs64, opts)
     checks = [_within_reference_spread(c, spread.get((c.variant, c.output))) for c in checks]
     checks = _explained_by_format(checks, runs, reference)
-    return _verdict(checks, skipped=skipped, spread=spread, precision=precision)
+    return _verdict(checks, skipped=skipped, spread=spread, precision=precision,
+                    no_float64=why64)
 
 
 def _run_variants(pool, candidate, reference, example_args, names, positions, repeats, opts,
-                  seed, skipped, spread, runs, refs64) -> list[_Pending]:
-    """Runs both callables on every variant in turn (filling `skipped`, `spread`, `runs` and
-    `refs64`) and queues the analyses of their outputs on `pool`, in check order."""
+                  seed, skipped, spread, runs, refs64, why64) -> list[_Pending]:
+    """Runs both callables on every variant in turn (filling `skipped`, `spread`, `runs`,
+    `refs64` and `why64`) and queues the analyses of their outputs on `pool`, in check order."""
     checks: list[_Pending] = []
     pairing = _pairing(candidate, reference, example_args, names, positions, seed)
     for vi, name in enumerate(names):
@@ -1149,7 +1182,7 @@ def _run_variants(pool, candidate, reference, example_args, names, positions, re
             skipped[name] = run
             continue
         runs[name] = run
-        checks += _comparisons(pool, reference, run, opts, seed + vi, refs64)
+        checks += _comparisons(pool, reference, run, opts, seed + vi, refs64, why64)
         if repeats > 1 and (name == "example" or spread):
             # once the reference differs from itself, every later variant measures how much
             spread.update(_reference_spread(reference, run))

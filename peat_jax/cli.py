@@ -119,6 +119,13 @@ def _say(args, msg: str) -> None:
         _console().print(msg)
 
 
+def _esc(text: Any) -> str:
+    """`text` as a str that rich prints as written (a summary's "[forward, large inputs]" is
+    not a style tag)."""
+    from rich.markup import escape
+    return escape(str(text))
+
+
 # --------------------------------------------------------------------------------------------
 # Argument parsing helpers
 
@@ -247,10 +254,10 @@ def cmd_sites(args) -> int:
     for col in ("#", "phase", "primitive", "path", "in", "out", "scope"):
         t.add_column(col)
     for s in sites:
-        t.add_row(str(s.index), s.phase, s.primitive, s.path,
+        t.add_row(str(s.index), s.phase, s.primitive, _esc(s.path),
                   ", ".join(f"{np.dtype(d).name}{list(sh)}" for sh, d in zip(s.in_shapes, s.in_dtypes)),
                   ", ".join(f"{np.dtype(d).name}{list(sh)}" for sh, d in zip(s.out_shapes, s.out_dtypes)),
-                  "/".join(s.scope))
+                  _esc("/".join(s.scope)))
     _console().print(t)
     return 0
 
@@ -300,9 +307,11 @@ def _cells_table(title: str, records: list[dict]):
         eff = None if r.get("effect") is None else peat.Effect.from_dict(r["effect"])
         passed = loc.get("passed", eff is not None and eff.passed)
         style = "green" if passed else "red"
-        effect = "-" if eff is None else f"[{'green' if eff.passed else 'red'}]{eff.short()}[/]"
+        effect = ("-" if eff is None else
+                  f"[{'green' if eff.passed else 'red'}]{_esc(eff.short())}[/]")
         t.add_row(str(r["checkpoint"]), str(r["site"]), r.get("phase", ""), r.get("primitive", ""),
-                  r.get("path", ""), f"[{style}]{loc.get('model', r.get('status', '-'))}[/]", effect)
+                  _esc(r.get("path", "")),
+                  f"[{style}]{_esc(loc.get('model', r.get('status', '-')))}[/]", effect)
     return t
 
 
@@ -372,7 +381,8 @@ def _print_playback(args, cand, res) -> None:
         what = (first["local"]["summary"] if first.get("local") else
                 first.get("error") or (first.get("effect") or {}).get("summary", ""))
         _say(args, f"[red]first divergence: step {first['checkpoint']}, site #{first['site']} "
-                   f"({first['phase']} {first['primitive']} @ {first['path']}): {what}[/]")
+                   f"({first['phase']} {first['primitive']} @ {_esc(first['path'])}): "
+                   f"{_esc(what)}[/]")
     broken = "".join(f", {counts[k]} {k}" for k in ("crashed", "timeout") if counts[k])
     _say(args, f"{len(records) - len(failing)}/{len(records)} cells pass locally{broken}; "
                f"results {res.campaign}/; report {args.run_dir}/report.html")
@@ -413,7 +423,7 @@ def cmd_runtime(args) -> int:
 
 def _say_nan_origin(args, r) -> None:
     if r.nan_origin is not None:
-        _say(args, f"[red]NaN born at {r.nan_origin}[/]")
+        _say(args, f"[red]NaN born at {_esc(r.nan_origin)}[/]")
 
 
 def _shapes(text: str) -> list[tuple[int, ...]]:
@@ -452,10 +462,11 @@ def cmd_check(args) -> int:
         params = {"dimension_numbers": dims, "precision": None, "preferred_element_type": dtype}
 
         # jitted, so the variants of one shape share one compiled program (eager, a Pallas
-        # kernel compiles again at every call)
+        # kernel compiles again at every call); its result follows its inputs' dtype (here
+        # `dtype`), so that it also runs in float64 and sets the float64 noise floor
         @jax.jit
         def reference(a, b):
-            return jax.lax.dot_general(a, b, dims, preferred_element_type=dtype)
+            return jax.lax.dot_general(a, b, dims)
 
         @jax.jit
         def candidate(a, b):
@@ -468,9 +479,9 @@ def cmd_check(args) -> int:
         _print_json(args, _diag_json(diag))
     else:
         style = "green" if diag.passed else "red"
-        _say(args, f"[{style}]{diag.summary}[/]")
+        _say(args, f"[{style}]{_esc(diag.summary)}[/]")
         for k, v in diag.evidence.items():
-            _say(args, f"  {k}: {v}")
+            _say(args, f"  {k}: {_esc(v)}")
     return 0 if diag.passed else 1
 
 
@@ -493,10 +504,10 @@ def cmd_compare(args) -> int:
         t.add_column(col)
     for r in c.environments:
         style = "bold yellow" if r.differs else ""
-        t.add_row(r.key, *(f"[{style}]{v}[/]" if style else str(v) for v in (r.a, r.b)))
+        t.add_row(r.key, *(f"[{style}]{_esc(v)}[/]" if style else _esc(v) for v in (r.a, r.b)))
     _console().print(t)
     colour = "red" if c.divergence else "green"
-    _say(args, f"[{colour}]{c.summary()}[/]")
+    _say(args, f"[{colour}]{_esc(c.summary())}[/]")
     _say(args, f"comparison: {saved}; report {args.run_a}/report.html")
     return 1 if c.divergence else 0
 
@@ -560,7 +571,7 @@ def cmd_demo(args) -> int:
         _say(args, f"{name}: {s['cells'] - s['failing']}/{s['cells']} cells pass "
                    f"({', '.join(s['models'])}); " +
              (f"first divergence at step {fd['checkpoint']}, site #{fd['site']} {fd['phase']} "
-              f"@ {fd['path']}" if fd else "no divergence") + f"; {s['compiles']} compile(s)")
+              f"@ {_esc(fd['path'])}" if fd else "no divergence") + f"; {s['compiles']} compile(s)")
     _say(args, f"runtime injection bit_flip(bit=30) {rt.schedule}: outcome [bold]{rt.outcome}[/]")
     _say_nan_origin(args, rt)
     _say(args, f"report: {report}   ({summary['seconds']} s)")

@@ -32,7 +32,7 @@ from peat_jax.errors import PeatError
 from peat_jax.formats import bit_class, float_format, narrow_formats_like, ulp_at
 
 __all__ = ["CHECK_MODELS", "Diagnosis", "FLOAT64_RULES", "Float64Evidence", "MODELS", "PASSING", "RULES", "Rule",
-           "by_float64", "data_race", "detect", "format_phrase", "narrowed", "only_on_odd_shapes",
+           "bitwise_equal", "by_float64", "data_race", "detect", "format_phrase", "narrowed", "only_on_odd_shapes",
            "severity"]
 
 MODELS: tuple[str, ...] = taxonomy.MODELS
@@ -191,9 +191,13 @@ def _exact(s: Signature) -> Optional[_Match]:
     """No element's bit pattern differs (NaN vs NaN counts as equal)."""
     if s.counts.mismatched:
         return None
-    what = "bitwise equal to the golden" if s.comparison == "golden" else \
+    return _exact_match(s.counts.elements, s.comparison)
+
+
+def _exact_match(elements: int, comparison: str) -> _Match:
+    what = "bitwise equal to the golden" if comparison == "golden" else \
         "bitwise equal to the earlier run"
-    return _Match({"elements": s.counts.elements}, 1.0, f"{what} ({s.counts.elements} elements)")
+    return _Match({"elements": elements}, 1.0, f"{what} ({elements} elements)")
 
 
 def _nondeterministic(s: Signature) -> Optional[_Match]:
@@ -890,6 +894,16 @@ def by_float64(d: Diagnosis, f: Float64Evidence, *, allow: Iterable[str] = ()) -
         return Diagnosis(model, allowed, m.confidence, _plain(ev),
                          f"{verdict}: {model}{' (allowed)' if allowed else ''}, {m.detail}")
     return d
+
+
+def bitwise_equal(elements: int, comparison: str = "golden") -> Diagnosis:
+    """The diagnosis `detect` gives two outputs whose every element (`elements` in all) is
+    bitwise equal (rule ``exact``), for a caller that compared their bytes itself: nothing
+    to analyse. `comparison`: as in `peat.analyze` ("golden" or "repeat")."""
+    m = _exact_match(int(elements), comparison)
+    return Diagnosis(model="exact", passed=True, confidence=m.confidence,
+                     evidence=_plain({**m.evidence, "rule": "exact", "max_floor_ratio": 0.0}),
+                     summary=f"passes: exact, {m.detail}")
 
 
 def data_race() -> Diagnosis:

@@ -187,13 +187,56 @@ def test_variants_and_reruns_share_the_analyzers_compiled_programs():
     d = check_kernel(blocked, ref, a, b, variants=("example", "large", "outliers"))
     assert d.passed, d.summary
     added = [cache_size(p) - n for p, n in zip(programs, before)]
-    # per output shape, one program against the float64 reference and one for the repeat; the
-    # sample's program is shared by the shapes
-    assert added[0] <= 3 * 2 and added[1] <= 2, added
+    # per output shape, one program against the float64 reference (the repeats are bitwise
+    # equal: no analysis); the sample's program is shared by the shapes
+    assert added[0] <= 3 and added[1] <= 1, added
     after = [cache_size(p) for p in programs]
     d = check_kernel(blocked, ref, a, b, variants=("example", "tiny", "zeros"))
     assert d.passed, d.summary
     assert [cache_size(p) for p in programs] == after
+
+
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_a_deterministic_candidates_repeats_compile_no_statistics(repeats):
+    """A 3-D output is analysed at its own shape (no padded bucket): the check compiles one
+    statistics program for it, against the float64 reference, whatever the repeats; bitwise
+    equal repeats are exact without an analysis."""
+    a = jax.random.normal(jax.random.key(7), (2, 5 + repeats, 4))
+    b = jax.random.normal(jax.random.key(8), (2, 4, 3))
+    before = cache_size(device.shape_program)
+    d = check_kernel(lambda x, y: jnp.einsum("bik,bkj->bij", x, y), jnp.matmul, a, b,
+                     variants=("example",), backward=False, repeats=repeats)
+    assert d.passed, d.summary
+    assert cache_size(device.shape_program) - before == 1
+    repeated = [m for _, o, m in d.evidence["checks"] if o.startswith("repeat")]
+    assert repeated == ["exact"] * (repeats - 1)
+
+
+def test_a_reference_that_cannot_run_in_float64_is_named_with_the_reason():
+    """The float64 reference sets the noise floor and the conditioning floor; a reference that
+    pins its output dtype, or raises on float64 inputs, leaves the dtype bound, and the verdict
+    says so and why, on every variant."""
+    dims = (((1,), (0,)), ((), ()))
+
+    def pinned(x, y):
+        return jax.lax.dot_general(x, y, dims, preferred_element_type=jnp.float32)
+
+    def strict(x, y):
+        if x.dtype != jnp.float32:
+            raise TypeError("float32 inputs only")
+        return x @ y
+
+    variants = ("example", "large")
+    for reference, why in ((pinned, "returns float32 on float64 inputs (a dtype pinned in it"),
+                           (strict, "raised under float64 (TypeError: float32 inputs only)")):
+        d = check_kernel(blocked, reference, A, B, variants=variants)
+        assert d.passed, d.summary
+        assert sorted(d.evidence["no_float64_reference"]) == sorted(variants)
+        assert all(why in w for w in d.evidence["no_float64_reference"].values()), why
+        assert "the floor is the dtype bound, not a float64 reference, on 2 of 2 variants" \
+            in d.summary and why in d.summary
+    d = check_kernel(blocked, ref, A, B, variants=variants)
+    assert "no_float64_reference" not in d.evidence and "dtype bound" not in d.summary
 
 
 def test_a_new_reduction_length_compiles_no_new_statistics():

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -67,6 +68,16 @@ def test_check_fails_on_a_buggy_kernel_with_the_diagnosis():
     assert "wrong_scale" in r.stdout and "fails" in r.stdout
     ok = peat("check", "cli_kernels:correct_matmul", "--shapes", "16x8,8x4", "--json")
     assert ok.returncode == 0 and json.loads(ok.stdout)["passed"] is True
+
+
+def test_check_sets_its_floor_from_float64_and_prints_the_summary_as_written():
+    """The command's dot_general reference runs in float64 (the noise and conditioning floors);
+    the verdict's "[output, variant inputs]" is text, not a style tag to swallow."""
+    r = peat("check", "cli_kernels:correct_matmul", "--shapes", "16x8,8x4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = " ".join(r.stdout.split())
+    assert re.search(r"\[(forward|grad\[[01]\]|repeat \w+), \w+ inputs\]", said), said
+    assert "conditioning_floor" in said and "dtype bound" not in said, said
 
 
 def test_check_json_is_one_object_on_stdout_whatever_the_kernel_prints():

@@ -11,7 +11,8 @@ import pytest
 from peat_jax import faults as F
 from peat_jax.analyzer import analyze
 from peat_jax.analyzer.noise import distribution_ok
-from peat_jax.detector import CHECK_MODELS, MODELS, PASSING, RULES, Diagnosis, detect
+from peat_jax.detector import (CHECK_MODELS, MODELS, PASSING, RULES, Diagnosis, bitwise_equal,
+                               detect)
 from peat_jax.errors import PeatError
 
 SHAPE = (16, 32)
@@ -184,3 +185,11 @@ def test_every_diagnosis_is_well_formed():
         assert 0.0 <= d.confidence <= 1.0
         assert d.summary.startswith("fails: " + d.model)
         json.dumps(d.evidence, allow_nan=False)
+
+
+@pytest.mark.parametrize("comparison", ["golden", "repeat"])
+@pytest.mark.parametrize("shape,dtype", [((7,), np.float32), ((5, 3), np.float16),
+                                         ((2, 3, 4), np.float64)])
+def test_bitwise_equal_is_what_detect_says_of_equal_outputs(comparison, shape, dtype):
+    x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
+    assert bitwise_equal(x.size, comparison) == detect(analyze(x, x.copy(), comparison=comparison))
