@@ -591,7 +591,8 @@ def _narrow_output(fn, run: _Run, args64=None) -> str:
     narrow = sorted({x.dtype.name for x in jax.tree_util.tree_leaves(out)
                      if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float64})
     return (f"returns {', '.join(narrow)} on float64 inputs (a dtype pinned in it: let it "
-            f"follow its inputs' dtype)") if narrow else ""
+            f"follow its inputs', e.g. preferred_element_type=jnp.promote_types(x.dtype, "
+            f"jnp.float32))") if narrow else ""
 
 
 CONDITIONING_PERTURBATIONS = 3
