@@ -119,9 +119,10 @@ def name_stack(eqn) -> str:
     return str(eqn.source_info.name_stack)
 
 
-def bind(eqn, invals: Sequence[Any]) -> list:
-    """Evaluate `eqn` on `invals` exactly as it was traced; its outputs as a list."""
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
+def bind(eqn, invals: Sequence[Any], **overrides) -> list:
+    """Evaluate `eqn` on `invals` exactly as it was traced (with `overrides` replacing some of
+    its params); its outputs as a list."""
+    bind_params = eqn.primitive.get_bind_params({**eqn.params, **overrides})
     if isinstance(bind_params, tuple):  # (subfuns, params)
         subfuns, params = bind_params
         out = eqn.primitive.bind(*subfuns, *invals, **params)

@@ -29,6 +29,7 @@ from peat_jax.errors import PeatError
 from peat_jax.formats import float_format, round_to_format
 from peat_jax.kernels.pallas.interpret import races_found, reset_interpret_state
 from peat_jax.precision import at_matmul_precision, matmul_precision
+from peat_jax.promote import widened
 from peat_jax.sites import REDUCING_PRIMITIVES, list_sites, reduction_length
 
 __all__ = ["CONDITIONING_PERTURBATIONS", "REFERENCE_SPREAD_FACTOR", "VARIANTS", "VJP_FORWARD",
@@ -566,26 +567,27 @@ def _reference64(reference, run: _Run, args64=None) -> tuple[dict[str, Any], str
                 outs = {"forward": reference(*a64)}
             outs = jax.device_get(outs)
     except Exception as e:  # noqa: BLE001 - any failure means "no float64 reference"
-        pinned = _narrow_output(reference, run, args64)
+        pinned = _narrow_output(reference, _as64(run.args) if args64 is None else args64)
         if pinned:   # the VJP raised on a float64 cotangent for a narrower output
             return {}, pinned
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return {}, f"raised under float64 ({type(e).__name__}: {first[:160]})"
     forwards = [o for o in ("forward", VJP_FORWARD) if o in outs]
     if not all(_all_f64(outs[o]) for o in forwards):
-        return {}, _narrow_output(reference, run, args64)
+        return {}, _narrow_output(reference, _as64(run.args) if args64 is None else args64)
     if not all(_all_f64(v) for v in outs.values()):
         return ({o: outs[o] for o in forwards},
                 "returns gradients narrower than float64 (those outputs only)")
     return outs, ""
 
 
-def _narrow_output(fn, run: _Run, args64=None) -> str:
-    """Why `fn`'s output is no float64 reference when, traced on float64 inputs, it has a
-    narrower float leaf (a dtype pinned in it); "" when it has none or cannot be traced."""
+def _narrow_output(fn, args64) -> str:
+    """Why `fn`'s output is no float64 reference when, traced on `args64` (float64 host
+    arrays), it has a narrower float leaf (a dtype pinned in it); "" when it has none or cannot
+    be traced."""
     try:
         with jax.enable_x64(True):
-            out = jax.eval_shape(fn, *_to_jax(_as64(run.args) if args64 is None else args64))
+            out = jax.eval_shape(fn, *_to_jax(args64))
     except Exception:  # noqa: BLE001 - the caller reports what raised
         return ""
     narrow = sorted({x.dtype.name for x in jax.tree_util.tree_leaves(out)
@@ -595,20 +597,42 @@ def _narrow_output(fn, run: _Run, args64=None) -> str:
             f"jnp.float32))") if narrow else ""
 
 
+def _float64_reference(reference: "_Pinned", example_args) -> tuple["_Pinned", str]:
+    """The callable whose float64 evaluation is the float64 reference, and what was done to
+    get it: `reference` itself ("") unless it pins a narrower float (its output on float64
+    inputs is narrower), then its float64 shadow (`promote.widened`) where that traces, with a
+    note saying so, else `reference` with why it could not be widened."""
+    args64 = _as64(example_args)
+    pinned = _narrow_output(reference, args64)
+    if not pinned:
+        return reference, ""
+    shadow = _Pinned(widened(reference.fn), reference.precision)
+    try:
+        with jax.enable_x64(True):
+            jax.eval_shape(shadow, *_to_jax(args64))
+    except Exception as e:  # noqa: BLE001 - the variants then say the floor is the dtype bound
+        return reference, f"it cannot be widened to float64: {type(e).__name__}: {e}"
+    return shadow, (f"the reference {pinned.split(' (')[0]}: its program widened to float64 "
+                    "(every float, cast and preferred_element_type; constants computed while "
+                    "tracing keep their dtype's rounding)")
+
+
 CONDITIONING_PERTURBATIONS = 3
 """Random input perturbations the conditioning floor is measured over."""
 
 
-def perturb_inputs(args, rng: np.random.Generator):
-    """`args` in float64 with every float leaf x (of dtype d) moved to ``x * (1 + u * eps_d /
-    2)``, u uniform in [-1, 1] per element: at most the unit roundoff of d relative, so at
-    most 1 ULP of d (half an ULP at the bottom of a binade); zeros stay zero. Other leaves are
-    kept. Returns host arrays (float64 for the float leaves)."""
+def perturb_inputs(args, rng: np.random.Generator, mantissa_bits: int = 0):
+    """`args` in float64 with every float leaf x (of dtype d) moved to ``x * (1 + u * eps /
+    2)``, u uniform in [-1, 1] per element, eps the machine epsilon of d or, when finer, of a
+    format with `mantissa_bits` (the outputs' finest: a bfloat16-input, float32-output matmul
+    is perturbed at float32's last bit, the precision its result resolves): at most the unit
+    roundoff relative, so at most 1 ULP (half an ULP at the bottom of a binade); zeros stay
+    zero. Other leaves are kept. Returns host arrays (float64 for the float leaves)."""
     def one(x):
         if not _is_float_leaf(x):
             return x
         xn = _np(x)
-        half_eps = 2.0 ** -(float_format(xn.dtype).mantissa_bits + 1)
+        half_eps = 2.0 ** -(max(float_format(xn.dtype).mantissa_bits, mantissa_bits) + 1)
         u = rng.uniform(-1.0, 1.0, xn.shape)
         return xn.astype(np.float64) * (1.0 + u * half_eps)
     return jax.tree.map(one, args)
@@ -627,15 +651,18 @@ def _spread(base, moved) -> Any:
 
 def _conditioning(reference, run: _Run, ref64: dict[str, Any], seed: int) -> dict[str, Any]:
     """{output: conditioning spread} for the outputs with a float64 reference: per element,
-    max over `CONDITIONING_PERTURBATIONS` random perturbations (`perturb_inputs`) of the
-    float64 reference's move, output units. Gradients use the same cotangent. Empty when the
-    perturbed reference does not run in float64."""
+    max over `CONDITIONING_PERTURBATIONS` random perturbations (`perturb_inputs`, at the last
+    bit of the inputs' dtype or of the finest output dtype, whichever is finer) of the float64
+    reference's move, output units. Gradients use the same cotangent. Empty when the perturbed
+    reference does not run in float64."""
     if not ref64:
         return {}
     rng = np.random.default_rng(seed)
+    bits = max((float_format(_np(x).dtype).mantissa_bits
+                for x in jax.tree.leaves(run.reference) if _is_float_leaf(x)), default=0)
     worst: dict[str, Any] = {}
     for _ in range(CONDITIONING_PERTURBATIONS):
-        moved, _ = _reference64(reference, run, perturb_inputs(run.args, rng))
+        moved, _ = _reference64(reference, run, perturb_inputs(run.args, rng, bits))
         if set(moved) != set(ref64):
             return {}
         for o, m in moved.items():
@@ -741,18 +768,19 @@ class _Pending(NamedTuple):
 
 
 def _comparisons(pool: ThreadPoolExecutor, reference, run: _Run, opts: _Options,
-                 seed: int, refs64: dict[str, dict[str, Any]],
-                 why64: dict[str, str]) -> list[_Pending]:
-    """Candidate against reference for every output of the run, with the float64 reference as
-    the noise floor where it exists (kept in ``refs64[run.variant]`` for `_judged_by_float64`;
-    where it does not, why in ``why64[run.variant]``), and its spread under 1-ULP input
-    perturbations as the conditioning floor (unless ``opts.conditioning`` is off); analysed on
-    `pool`."""
-    ref64, why = _reference64(reference, run)
+                 seed: int, refs64: dict[str, dict[str, Any]], why64: dict[str, str],
+                 reference64=None) -> list[_Pending]:
+    """Candidate against reference for every output of the run, with the float64 reference
+    (`reference64`'s float64 evaluation; default `reference`'s) as the noise floor where it
+    exists (kept in ``refs64[run.variant]`` for `_judged_by_float64`; where it does not, why in
+    ``why64[run.variant]``), and its spread under 1-ULP input perturbations as the conditioning
+    floor (unless ``opts.conditioning`` is off); analysed on `pool`."""
+    reference64 = reference if reference64 is None else reference64
+    ref64, why = _reference64(reference64, run)
     refs64[run.variant] = ref64
     if why:
         why64[run.variant] = why
-    cond = _conditioning(reference, run, ref64, seed) if opts.conditioning else {}
+    cond = _conditioning(reference64, run, ref64, seed) if opts.conditioning else {}
     k = _longest_reduction(reference, run) if ref64 and opts.reduction_length is None else None
     return [_Pending(run.variant, output, _submit(
         pool, _diagnose, run.candidate[output], gold, ref64.get(output), opts,
@@ -956,10 +984,11 @@ def _narrowest_formats(checks: Sequence[_Check]) -> tuple[str, ...]:
 
 def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
              spread: dict[tuple[str, str], _Spread], precision: str,
-             no_float64: dict[str, str]) -> Diagnosis:
+             no_float64: dict[str, str], widening: str = "") -> Diagnosis:
     """The worst check's diagnosis, its evidence extended with where it came from, every
     check's model, the skipped variants, the reference's matmul precision and its
-    nondeterminism, and the variants without a float64 reference (and why)."""
+    nondeterminism, the variants without a float64 reference (and why) and how the float64
+    reference was had from a reference that pins a narrower dtype (`widening`)."""
     worst = max(checks, key=_check_key)
     failing = [c for c in checks if not c.diagnosis.passed]
     passing = {c.variant for c in checks} - {c.variant for c in failing}
@@ -972,11 +1001,14 @@ def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
                                             for (v, o), s in spread.items()}
         note = (f"; note: the reference itself is nondeterministic (run-to-run max |diff| up to "
                 f"{max(s.reference for s in spread.values()):.3g})")
+    if widening:
+        ev["float64_reference"] = widening
     if no_float64:
         ev["no_float64_reference"] = dict(no_float64)
         note += (f"; note: the floor is the dtype bound, not a float64 reference, on "
                  f"{len(no_float64)} of {len({c.variant for c in checks})} variants: the "
-                 f"reference {next(iter(no_float64.values()))}")
+                 f"reference {next(iter(no_float64.values()))}"
+                 + (f"; {widening}" if widening.startswith("it cannot") else ""))
     conditioned = _conditioned(checks)
     if conditioned:
         ev["conditioned_checks"] = conditioned
@@ -1148,10 +1180,12 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     runs: dict[str, _Run] = {}
     refs64: dict[str, dict[str, Any]] = {}
     why64: dict[str, str] = {}
+    reference64, widening = _float64_reference(reference, example_args)
     pool = ThreadPoolExecutor(_analysis_workers(), thread_name_prefix="peat-analyze")
     try:
         pending = _run_variants(pool, candidate, reference, example_args, names, positions,
-                                repeats, opts, seed, skipped, spread, runs, refs64, why64)
+                                repeats, opts, seed, skipped, spread, runs, refs64, why64,
+                                reference64)
         checks = [_Check(p.variant, p.output, p.diagnosis.result()) for p in pending]
     finally:
         pool.shutdown(cancel_futures=True)   # a raising candidate leaves analyses queued
@@ -1159,13 +1193,14 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     checks = [_within_reference_spread(c, spread.get((c.variant, c.output))) for c in checks]
     checks = _explained_by_format(checks, runs, reference)
     return _verdict(checks, skipped=skipped, spread=spread, precision=precision,
-                    no_float64=why64)
+                    no_float64=why64, widening=widening)
 
 
 def _run_variants(pool, candidate, reference, example_args, names, positions, repeats, opts,
-                  seed, skipped, spread, runs, refs64, why64) -> list[_Pending]:
+                  seed, skipped, spread, runs, refs64, why64, reference64) -> list[_Pending]:
     """Runs both callables on every variant in turn (filling `skipped`, `spread`, `runs`,
-    `refs64` and `why64`) and queues the analyses of their outputs on `pool`, in check order."""
+    `refs64` and `why64`; `reference64` evaluated in float64 is the float64 reference) and
+    queues the analyses of their outputs on `pool`, in check order."""
     checks: list[_Pending] = []
     pairing = _pairing(candidate, reference, example_args, names, positions, seed)
     for vi, name in enumerate(names):
@@ -1183,7 +1218,8 @@ def _run_variants(pool, candidate, reference, example_args, names, positions, re
             skipped[name] = run
             continue
         runs[name] = run
-        checks += _comparisons(pool, reference, run, opts, seed + vi, refs64, why64)
+        checks += _comparisons(pool, reference, run, opts, seed + vi, refs64, why64,
+                               reference64)
         if repeats > 1 and (name == "example" or spread):
             # once the reference differs from itself, every later variant measures how much
             spread.update(_reference_spread(reference, run))

@@ -13,6 +13,7 @@ from peat_jax._jax import cache_size
 from peat_jax.analyzer import device
 from peat_jax.check import VARIANTS, VJP_FORWARD, check_kernel, make_variant
 from peat_jax.errors import PeatError
+from peat_jax.kernels import pallas_matmul
 from peat_jax.pytest_plugin import PeatCheck
 from peat_jax.testing import assert_kernel_matches
 
@@ -212,31 +213,77 @@ def test_a_deterministic_candidates_repeats_compile_no_statistics(repeats):
     assert repeated == ["exact"] * (repeats - 1)
 
 
+DIMS = (((1,), (0,)), ((), ()))
+
+
+def _pinned(x, y):
+    """A matmul reference as mixed-precision kernels' are written: float32 out, whatever in."""
+    return jax.lax.dot_general(x, y, DIMS, preferred_element_type=jnp.float32)
+
+
 def test_a_reference_that_cannot_run_in_float64_is_named_with_the_reason():
     """The float64 reference sets the noise floor and the conditioning floor; a reference that
-    pins its output dtype, or raises on float64 inputs, leaves the dtype bound, and the verdict
-    says so and why, on every variant."""
-    dims = (((1,), (0,)), ((), ()))
-
-    def pinned(x, y):
-        return jax.lax.dot_general(x, y, dims, preferred_element_type=jnp.float32)
-
+    raises on float64 inputs, or pins a narrower dtype in a program that cannot be widened (a
+    loop), leaves the dtype bound, and the verdict says so and why, on every variant."""
     def strict(x, y):
         if x.dtype != jnp.float32:
             raise TypeError("float32 inputs only")
         return x @ y
 
+    def looped(x, y):
+        return jax.lax.map(lambda row: _pinned(row[None], y)[0], x)
+
     variants = ("example", "large")
-    for reference, why in ((pinned, "returns float32 on float64 inputs (a dtype pinned in it"),
-                           (strict, "raised under float64 (TypeError: float32 inputs only)")):
+    for reference, why in (
+            (strict, "raised under float64 (TypeError: float32 inputs only)"),
+            (looped, "returns float32 on float64 inputs (a dtype pinned in it")):
         d = check_kernel(blocked, reference, A, B, variants=variants)
         assert d.passed, d.summary
         assert sorted(d.evidence["no_float64_reference"]) == sorted(variants)
         assert all(why in w for w in d.evidence["no_float64_reference"].values()), why
         assert "the floor is the dtype bound, not a float64 reference, on 2 of 2 variants" \
             in d.summary and why in d.summary
+    assert "cannot widen a program with 'scan'" in d.summary
     d = check_kernel(blocked, ref, A, B, variants=variants)
     assert "no_float64_reference" not in d.evidence and "dtype bound" not in d.summary
+    assert "float64_reference" not in d.evidence
+
+
+def test_a_reference_pinned_to_float32_is_widened_to_float64():
+    """preferred_element_type=float32 returns float32 on float64 inputs: its program, widened
+    to float64, is the float64 reference (the same floors as an unpinned reference)."""
+    d = check_kernel(blocked, _pinned, A, B, variants=("example", "large"))
+    plain = check_kernel(blocked, ref, A, B, variants=("example", "large"))
+    assert d.passed and "no_float64_reference" not in d.evidence, d.summary
+    assert "widened to float64" in d.evidence["float64_reference"]
+    assert d.evidence["max_floor_ratio"] == pytest.approx(plain.evidence["max_floor_ratio"])
+
+
+@pytest.mark.slow
+def test_mixed_precision_kernels_are_judged_against_float64():
+    """bfloat16 in, float32 out, the reference pinned to float32: a kernel accumulating in
+    bfloat16 is named low_precision_accumulation (the conditioning floor perturbs the exact
+    bfloat16 inputs at float32's last bit, the precision the result resolves, so it does not
+    hide the accumulator), and the bundled Pallas matmul passes."""
+    a = jax.random.normal(jax.random.key(0), (40, 96)).astype(jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (96, 24)).astype(jnp.bfloat16)
+    kernel = pallas_matmul()
+
+    @jax.jit
+    def pallas(x, y):
+        return kernel(x, y, dimension_numbers=DIMS, precision=None,
+                      preferred_element_type=jnp.float32)
+
+    def bf16_accumulator(x, y):
+        out = jnp.zeros((x.shape[0], y.shape[1]), jnp.bfloat16)
+        for k in range(0, x.shape[1], 32):
+            out = out + _pinned(x[:, k:k + 32], y[k:k + 32]).astype(jnp.bfloat16)
+        return out.astype(jnp.float32)
+
+    good = check_kernel(pallas, _pinned, a, b, variants=("example", "large", "odd_shape"))
+    assert good.passed and "widened" in good.evidence["float64_reference"], good.summary
+    bad = check_kernel(bf16_accumulator, _pinned, a, b, variants=("example", "large"))
+    assert not bad.passed and bad.model == "low_precision_accumulation", bad.summary
 
 
 def test_a_new_reduction_length_compiles_no_new_statistics():

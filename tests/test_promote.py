@@ -1,0 +1,91 @@
+"""peat_jax.promote.widened: a JAX function's float64 shadow (the float64 reference of a
+reference that pins a narrower dtype)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from peat_jax.errors import PeatError
+from peat_jax.kernels import pallas_matmul
+from peat_jax.promote import widened
+
+DIMS = (((1,), (0,)), ((), ()))
+
+
+def _pinned_dot(a, b):
+    return jax.lax.dot_general(a, b, DIMS, preferred_element_type=jnp.float32)
+
+
+def _through_bf16(a, b):
+    return (a.astype(jnp.bfloat16) * 3).astype(jnp.float32) @ b.astype(jnp.float32)
+
+
+@jax.jit
+def _jitted_relu_dot(a, b):
+    return jax.nn.relu(_pinned_dot(a, b))      # relu: a custom_jvp call inside a jit
+
+
+# (function, what it computes in float64)
+CASES = [
+    (_pinned_dot, lambda a, b: a @ b),
+    (_through_bf16, lambda a, b: (a * 3) @ b),     # the casts widen: no rounding to bfloat16
+    (_jitted_relu_dot, lambda a, b: np.maximum(a @ b, 0)),
+]
+
+
+def _operands(shape_a, shape_b):
+    rng = np.random.default_rng(0)
+    return rng.standard_normal(shape_a), rng.standard_normal(shape_b)
+
+
+@pytest.mark.parametrize("fn,exact", CASES, ids=["pinned_dot", "through_bf16", "jit_relu"])
+@pytest.mark.parametrize("shapes", [((5, 4), (4, 3)), ((1, 17), (17, 9))])
+def test_the_shadow_computes_the_program_in_float64(fn, exact, shapes):
+    a, b = _operands(*shapes)
+    with jax.enable_x64(True):
+        out = widened(fn)(jnp.asarray(a), jnp.asarray(b))
+        assert out.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(out), exact(a, b), rtol=1e-13, atol=1e-13)
+        narrow = np.asarray(fn(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)),
+                            np.float64)
+    assert np.max(np.abs(narrow - exact(a, b))) > 1e-9   # the pinned program itself is narrow
+
+
+def test_the_shadow_is_differentiable_in_float64():
+    a, b = _operands((6, 5), (5, 4))
+    ct = np.random.default_rng(1).standard_normal((6, 4))
+    with jax.enable_x64(True):
+        out, pullback = jax.vjp(widened(_pinned_dot), jnp.asarray(a), jnp.asarray(b))
+        da, db = pullback(jnp.asarray(ct))
+    assert da.dtype == db.dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(da), ct @ b.T, rtol=1e-13)
+    np.testing.assert_allclose(np.asarray(db), a.T @ ct, rtol=1e-13)
+
+
+def test_constants_traced_in_the_narrow_dtype_keep_its_rounding():
+    """A constant made while tracing (a float32 0.1) is widened, not recomputed: the shadow is
+    as accurate as the program's constants."""
+    x = np.linspace(-2.0, 2.0, 9)
+    with jax.enable_x64(True):
+        out = widened(lambda v: v * jnp.float32(0.1))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(out), x * float(np.float32(0.1)))
+
+
+def test_the_shadow_is_cached_by_function():
+    assert widened(_pinned_dot) is widened(_pinned_dot)
+
+
+@pytest.mark.parametrize("fn,primitive", [
+    (lambda a, b: jax.lax.map(lambda r: _pinned_dot(r[None], b)[0], a), "scan"),
+    (lambda a, b: jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.int32), "bitcast"),
+    (lambda a, b: pallas_matmul(8, 8, 8)(a.astype(jnp.float32), b.astype(jnp.float32),
+                                         dimension_numbers=DIMS, precision=None,
+                                         preferred_element_type=jnp.float32), "pallas_call"),
+], ids=["loop", "bitcast", "pallas"])
+def test_programs_whose_types_cannot_be_widened_are_refused(fn, primitive):
+    a, b = _operands((8, 8), (8, 8))
+    with jax.enable_x64(True), pytest.raises(PeatError, match=f"cannot widen a program with "
+                                                             f"'{primitive}"):
+        widened(fn)(jnp.asarray(a), jnp.asarray(b))
