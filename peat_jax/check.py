@@ -581,40 +581,53 @@ def _reference64(reference, run: _Run, args64=None) -> tuple[dict[str, Any], str
     return outs, ""
 
 
-def _narrow_output(fn, args64) -> str:
-    """Why `fn`'s output is no float64 reference when, traced on `args64` (float64 host
-    arrays), it has a narrower float leaf (a dtype pinned in it); "" when it has none or cannot
-    be traced."""
+def _narrow_dtypes(fn, args64) -> list[str]:
+    """The float dtypes narrower than float64 among `fn`'s outputs traced on `args64` (float64
+    host arrays): a dtype pinned in it; [] when there are none or it cannot be traced."""
     try:
         with jax.enable_x64(True):
             out = jax.eval_shape(fn, *_to_jax(args64))
     except Exception:  # noqa: BLE001 - the caller reports what raised
-        return ""
-    narrow = sorted({x.dtype.name for x in jax.tree_util.tree_leaves(out)
-                     if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float64})
+        return []
+    return sorted({x.dtype.name for x in jax.tree_util.tree_leaves(out)
+                   if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float64})
+
+
+def _narrow_output(fn, args64) -> str:
+    """Why `fn`'s output is no float64 reference when it pins a narrower dtype
+    (`_narrow_dtypes`); "" when it does not."""
+    narrow = _narrow_dtypes(fn, args64)
     return (f"returns {', '.join(narrow)} on float64 inputs (a dtype pinned in it: let it "
             f"follow its inputs', e.g. preferred_element_type=jnp.promote_types(x.dtype, "
             f"jnp.float32))") if narrow else ""
 
 
-def _float64_reference(reference: "_Pinned", example_args) -> tuple["_Pinned", str]:
-    """The callable whose float64 evaluation is the float64 reference, and what was done to
-    get it: `reference` itself ("") unless it pins a narrower float (its output on float64
-    inputs is narrower), then its float64 shadow (`promote.widened`) where that traces, with a
-    note saying so, else `reference` with why it could not be widened."""
+class _Float64Reference(NamedTuple):
+    """What `check_kernel` evaluates in float64 for the float64 reference."""
+
+    fn: Callable     # the reference, or its float64 shadow (`promote.widened`)
+    widened: bool    # fn is the shadow
+    note: str        # how it was had, or why it could not be widened ("": the reference as is)
+
+
+def _float64_reference(reference: "_Pinned", example_args) -> _Float64Reference:
+    """`reference` itself unless it pins a narrower float (its output on float64 inputs is
+    narrower); then its float64 shadow where that traces, else `reference` with why not."""
     args64 = _as64(example_args)
-    pinned = _narrow_output(reference, args64)
-    if not pinned:
-        return reference, ""
+    narrow = _narrow_dtypes(reference, args64)
+    if not narrow:
+        return _Float64Reference(fn=reference, widened=False, note="")
     shadow = _Pinned(widened(reference.fn), reference.precision)
     try:
         with jax.enable_x64(True):
             jax.eval_shape(shadow, *_to_jax(args64))
     except Exception as e:  # noqa: BLE001 - the variants then say the floor is the dtype bound
-        return reference, f"it cannot be widened to float64: {type(e).__name__}: {e}"
-    return shadow, (f"the reference {pinned.split(' (')[0]}: its program widened to float64 "
-                    "(every float, cast and preferred_element_type; constants computed while "
-                    "tracing keep their dtype's rounding)")
+        return _Float64Reference(fn=reference, widened=False, note=(
+            f"it cannot be widened to float64: {type(e).__name__}: {e}"))
+    return _Float64Reference(fn=shadow, widened=True, note=(
+        f"the reference returns {', '.join(narrow)} on float64 inputs: its program widened to "
+        "float64 (every float, cast and preferred_element_type; constants computed while "
+        "tracing keep their dtype's rounding)"))
 
 
 CONDITIONING_PERTURBATIONS = 3
@@ -769,13 +782,12 @@ class _Pending(NamedTuple):
 
 def _comparisons(pool: ThreadPoolExecutor, reference, run: _Run, opts: _Options,
                  seed: int, refs64: dict[str, dict[str, Any]], why64: dict[str, str],
-                 reference64=None) -> list[_Pending]:
+                 reference64: Callable) -> list[_Pending]:
     """Candidate against reference for every output of the run, with the float64 reference
-    (`reference64`'s float64 evaluation; default `reference`'s) as the noise floor where it
-    exists (kept in ``refs64[run.variant]`` for `_judged_by_float64`; where it does not, why in
+    (`reference64`, the reference or its shadow, evaluated in float64) as the noise floor where
+    it exists (kept in ``refs64[run.variant]`` for `_judged_by_float64`; where it does not, why in
     ``why64[run.variant]``), and its spread under 1-ULP input perturbations as the conditioning
     floor (unless ``opts.conditioning`` is off); analysed on `pool`."""
-    reference64 = reference if reference64 is None else reference64
     ref64, why = _reference64(reference64, run)
     refs64[run.variant] = ref64
     if why:
@@ -984,11 +996,11 @@ def _narrowest_formats(checks: Sequence[_Check]) -> tuple[str, ...]:
 
 def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
              spread: dict[tuple[str, str], _Spread], precision: str,
-             no_float64: dict[str, str], widening: str = "") -> Diagnosis:
+             no_float64: dict[str, str], float64: _Float64Reference) -> Diagnosis:
     """The worst check's diagnosis, its evidence extended with where it came from, every
     check's model, the skipped variants, the reference's matmul precision and its
     nondeterminism, the variants without a float64 reference (and why) and how the float64
-    reference was had from a reference that pins a narrower dtype (`widening`)."""
+    reference was had from a reference that pins a narrower dtype."""
     worst = max(checks, key=_check_key)
     failing = [c for c in checks if not c.diagnosis.passed]
     passing = {c.variant for c in checks} - {c.variant for c in failing}
@@ -1001,14 +1013,14 @@ def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
                                             for (v, o), s in spread.items()}
         note = (f"; note: the reference itself is nondeterministic (run-to-run max |diff| up to "
                 f"{max(s.reference for s in spread.values()):.3g})")
-    if widening:
-        ev["float64_reference"] = widening
+    if float64.note:
+        ev["float64_reference"] = float64.note
     if no_float64:
         ev["no_float64_reference"] = dict(no_float64)
         note += (f"; note: the floor is the dtype bound, not a float64 reference, on "
                  f"{len(no_float64)} of {len({c.variant for c in checks})} variants: the "
                  f"reference {next(iter(no_float64.values()))}"
-                 + (f"; {widening}" if widening.startswith("it cannot") else ""))
+                 + (f"; {float64.note}" if float64.note and not float64.widened else ""))
     conditioned = _conditioned(checks)
     if conditioned:
         ev["conditioned_checks"] = conditioned
@@ -1180,12 +1192,12 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     runs: dict[str, _Run] = {}
     refs64: dict[str, dict[str, Any]] = {}
     why64: dict[str, str] = {}
-    reference64, widening = _float64_reference(reference, example_args)
+    float64 = _float64_reference(reference, example_args)
     pool = ThreadPoolExecutor(_analysis_workers(), thread_name_prefix="peat-analyze")
     try:
         pending = _run_variants(pool, candidate, reference, example_args, names, positions,
                                 repeats, opts, seed, skipped, spread, runs, refs64, why64,
-                                reference64)
+                                float64.fn)
         checks = [_Check(p.variant, p.output, p.diagnosis.result()) for p in pending]
     finally:
         pool.shutdown(cancel_futures=True)   # a raising candidate leaves analyses queued
@@ -1193,7 +1205,7 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     checks = [_within_reference_spread(c, spread.get((c.variant, c.output))) for c in checks]
     checks = _explained_by_format(checks, runs, reference)
     return _verdict(checks, skipped=skipped, spread=spread, precision=precision,
-                    no_float64=why64, widening=widening)
+                    no_float64=why64, float64=float64)
 
 
 def _run_variants(pool, candidate, reference, example_args, names, positions, repeats, opts,
