@@ -72,7 +72,7 @@ def _eqn(eqn, invals) -> list:
     if name in _REFUSED or _jax.sub_jaxprs(eqn):
         raise PeatError(f"cannot widen a program with {name!r} to float64")
     if name == "convert_element_type" and _is_float(params["new_dtype"]):
-        return [_widen(invals[0])]
+        return [jax.lax.convert_element_type(invals[0], jnp.float64)]   # ints too
     pref = params.get("preferred_element_type")
     if pref is not None and _is_float(pref):
         return _jax.bind(eqn, invals, preferred_element_type=jnp.dtype(jnp.float64))

@@ -27,11 +27,16 @@ def _jitted_relu_dot(a, b):
     return jax.nn.relu(_pinned_dot(a, b))      # relu: a custom_jvp call inside a jit
 
 
+def _scaled_by_column(a, b):
+    return _pinned_dot(a, b) * jnp.arange(b.shape[1]).astype(jnp.float32)   # int -> float
+
+
 # (function, what it computes in float64)
 CASES = [
     (_pinned_dot, lambda a, b: a @ b),
     (_through_bf16, lambda a, b: (a * 3) @ b),     # the casts widen: no rounding to bfloat16
     (_jitted_relu_dot, lambda a, b: np.maximum(a @ b, 0)),
+    (_scaled_by_column, lambda a, b: (a @ b) * np.arange(b.shape[1])),
 ]
 
 
@@ -40,7 +45,8 @@ def _operands(shape_a, shape_b):
     return rng.standard_normal(shape_a), rng.standard_normal(shape_b)
 
 
-@pytest.mark.parametrize("fn,exact", CASES, ids=["pinned_dot", "through_bf16", "jit_relu"])
+@pytest.mark.parametrize("fn,exact", CASES, ids=["pinned_dot", "through_bf16", "jit_relu",
+                                             "int_to_float"])
 @pytest.mark.parametrize("shapes", [((5, 4), (4, 3)), ((1, 17), (17, 9))])
 def test_the_shadow_computes_the_program_in_float64(fn, exact, shapes):
     a, b = _operands(*shapes)
