@@ -1116,7 +1116,9 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
 
     For every input variant (`make_variant`): both run on the same inputs; the outputs are
     compared (`analyze` with a float64 evaluation of the reference as the noise floor when the
-    reference runs in float64, else the dtype bound) and diagnosed (`detect`); with
+    reference runs in float64, or its float64 shadow `promote.widened` when it pins a narrower
+    dtype; else the dtype bound, and ``evidence["no_float64_reference"]`` and the summary say
+    where and why) and diagnosed (`detect`); with
     ``backward=True`` the VJP of both with the same random cotangent is compared for every
     positional argument holding floats. On the example inputs the candidate runs `repeats`
     times (forward and backward) and each run is compared with the first, directly, with the
