@@ -780,18 +780,36 @@ class _Pending(NamedTuple):
     diagnosis: Future
 
 
-def _comparisons(pool: ThreadPoolExecutor, reference, run: _Run, opts: _Options,
-                 seed: int, refs64: dict[str, dict[str, Any]], why64: dict[str, str],
-                 reference64: Callable) -> list[_Pending]:
+@dataclasses.dataclass
+class _Found:
+    """What running a check's variants finds besides the checks (`_run_variants` fills it).
+
+    Attributes:
+      skipped: variant -> why it was skipped.
+      spread: (variant, output) -> the reference's run-to-run difference, where it has one.
+      runs: variant -> its `_Run`.
+      refs64: variant -> the float64 reference's outputs ({} where there is none).
+      why64: variant -> why it has no float64 reference (or only some outputs).
+    """
+
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    spread: dict[tuple[str, str], _Spread] = dataclasses.field(default_factory=dict)
+    runs: dict[str, _Run] = dataclasses.field(default_factory=dict)
+    refs64: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    why64: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _comparisons(pool: ThreadPoolExecutor, reference, reference64: Callable, run: _Run,
+                 opts: _Options, seed: int, found: _Found) -> list[_Pending]:
     """Candidate against reference for every output of the run, with the float64 reference
     (`reference64`, the reference or its shadow, evaluated in float64) as the noise floor where
-    it exists (kept in ``refs64[run.variant]`` for `_judged_by_float64`; where it does not, why in
-    ``why64[run.variant]``), and its spread under 1-ULP input perturbations as the conditioning
-    floor (unless ``opts.conditioning`` is off); analysed on `pool`."""
+    it exists (kept in ``found.refs64`` for `_judged_by_float64`; where it does not, why in
+    ``found.why64``), and its spread under 1-ULP input perturbations as the conditioning floor
+    (unless ``opts.conditioning`` is off); analysed on `pool`."""
     ref64, why = _reference64(reference64, run)
-    refs64[run.variant] = ref64
+    found.refs64[run.variant] = ref64
     if why:
-        why64[run.variant] = why
+        found.why64[run.variant] = why
     cond = _conditioning(reference64, run, ref64, seed) if opts.conditioning else {}
     k = _longest_reduction(reference, run) if ref64 and opts.reduction_length is None else None
     return [_Pending(run.variant, output, _submit(
@@ -1189,38 +1207,34 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
                     noise_factor=noise_factor, conditioning=bool(conditioning))
     example_args = _to_jax(tuple(example_args))
     positions = _float_positions(example_args) if backward else ()
-    skipped: dict[str, str] = {}
-    spread: dict[tuple[str, str], _Spread] = {}
-    runs: dict[str, _Run] = {}
-    refs64: dict[str, dict[str, Any]] = {}
-    why64: dict[str, str] = {}
     float64 = _float64_reference(reference, example_args)
+    found = _Found()
     pool = ThreadPoolExecutor(_analysis_workers(), thread_name_prefix="peat-analyze")
     try:
-        pending = _run_variants(pool, candidate, reference, example_args, names, positions,
-                                repeats, opts, seed, skipped, spread, runs, refs64, why64,
-                                float64.fn)
+        pending = _run_variants(pool, candidate, reference, float64.fn, example_args, names,
+                                positions, repeats, opts, seed, found)
         checks = [_Check(p.variant, p.output, p.diagnosis.result()) for p in pending]
     finally:
         pool.shutdown(cancel_futures=True)   # a raising candidate leaves analyses queued
-    checks = _judged_by_float64(checks, candidate, runs, refs64, opts)
-    checks = [_within_reference_spread(c, spread.get((c.variant, c.output))) for c in checks]
-    checks = _explained_by_format(checks, runs, reference)
-    return _verdict(checks, skipped=skipped, spread=spread, precision=precision,
-                    no_float64=why64, float64=float64)
+    checks = _judged_by_float64(checks, candidate, found.runs, found.refs64, opts)
+    checks = [_within_reference_spread(c, found.spread.get((c.variant, c.output)))
+              for c in checks]
+    checks = _explained_by_format(checks, found.runs, reference)
+    return _verdict(checks, skipped=found.skipped, spread=found.spread, precision=precision,
+                    no_float64=found.why64, float64=float64)
 
 
-def _run_variants(pool, candidate, reference, example_args, names, positions, repeats, opts,
-                  seed, skipped, spread, runs, refs64, why64, reference64) -> list[_Pending]:
-    """Runs both callables on every variant in turn (filling `skipped`, `spread`, `runs`,
-    `refs64` and `why64`; `reference64` evaluated in float64 is the float64 reference) and
-    queues the analyses of their outputs on `pool`, in check order."""
+def _run_variants(pool, candidate, reference, reference64, example_args, names, positions,
+                  repeats, opts, seed, found: _Found) -> list[_Pending]:
+    """Runs both callables on every variant in turn (filling `found`; `reference64` evaluated
+    in float64 is the float64 reference) and queues the analyses of their outputs on `pool`,
+    in check order."""
     checks: list[_Pending] = []
     pairing = _pairing(candidate, reference, example_args, names, positions, seed)
     for vi, name in enumerate(names):
         args = make_variant(name, example_args, seed + vi)
         if args is None:
-            skipped[name] = "not applicable to these arguments"
+            found.skipped[name] = "not applicable to these arguments"
             continue
         run = _run(candidate, reference, name, _to_jax(args), positions,
                    np.random.default_rng([seed, vi]), pairing)
@@ -1229,14 +1243,13 @@ def _run_variants(pool, candidate, reference, example_args, names, positions, re
             checks.append(_Pending(race.variant, race.output, _done(race.diagnosis)))
             break
         if isinstance(run, str):
-            skipped[name] = run
+            found.skipped[name] = run
             continue
-        runs[name] = run
-        checks += _comparisons(pool, reference, run, opts, seed + vi, refs64, why64,
-                               reference64)
-        if repeats > 1 and (name == "example" or spread):
+        found.runs[name] = run
+        checks += _comparisons(pool, reference, reference64, run, opts, seed + vi, found)
+        if repeats > 1 and (name == "example" or found.spread):
             # once the reference differs from itself, every later variant measures how much
-            spread.update(_reference_spread(reference, run))
+            found.spread.update(_reference_spread(reference, run))
         if repeats > 1 and name == "example":
             checks += _repeat_checks(pool, candidate, run, repeats - 1, opts, pairing)
     return checks
