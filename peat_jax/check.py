@@ -790,6 +790,8 @@ class _Found:
       runs: variant -> its `_Run`.
       refs64: variant -> the float64 reference's outputs ({} where there is none).
       why64: variant -> why it has no float64 reference (or only some outputs).
+      reductions: `_longest_reduction` by the run's shapes (`_shapes_key`): variants of one
+        shape trace the reference's program once.
     """
 
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -797,6 +799,15 @@ class _Found:
     runs: dict[str, _Run] = dataclasses.field(default_factory=dict)
     refs64: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     why64: dict[str, str] = dataclasses.field(default_factory=dict)
+    reductions: dict[Any, Optional[int]] = dataclasses.field(default_factory=dict)
+
+
+def _shapes_key(tree) -> tuple:
+    """A hashable key of a pytree's structure, its arrays' shapes and dtypes and its other
+    leaves' reprs: what a trace of a function of it depends on."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((np.shape(x), str(x.dtype)) if hasattr(x, "dtype") else repr(x)
+                          for x in leaves)
 
 
 def _comparisons(pool: ThreadPoolExecutor, reference, reference64: Callable, run: _Run,
@@ -811,7 +822,12 @@ def _comparisons(pool: ThreadPoolExecutor, reference, reference64: Callable, run
     if why:
         found.why64[run.variant] = why
     cond = _conditioning(reference64, run, ref64, seed) if opts.conditioning else {}
-    k = _longest_reduction(reference, run) if ref64 and opts.reduction_length is None else None
+    k = None
+    if ref64 and opts.reduction_length is None:
+        key = _shapes_key((run.args, run.cotangent, run.positions))
+        if key not in found.reductions:
+            found.reductions[key] = _longest_reduction(reference, run)
+        k = found.reductions[key]
     return [_Pending(run.variant, output, _submit(
         pool, _diagnose, run.candidate[output], gold, ref64.get(output), opts,
         conditioning=cond.get(output), reduction_length=k))
