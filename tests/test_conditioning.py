@@ -32,6 +32,17 @@ def test_perturbation_is_at_most_one_ulp_and_keeps_zeros():
     assert np.any(p != x)
 
 
+@pytest.mark.parametrize("mantissa_bits,bound_bits", [(0, 7), (7, 7), (23, 23)])
+def test_a_narrow_input_is_perturbed_at_the_finer_output_format(mantissa_bits, bound_bits):
+    """bfloat16 inputs (7 mantissa bits) of a float32-output op move by at most float32's
+    unit roundoff (2^-24 relative) when told the outputs' 23 bits; else by bfloat16's."""
+    x = np.asarray(_normal((4000,))).astype(jnp.bfloat16)
+    (p,) = perturb_inputs((x,), np.random.default_rng(1), mantissa_bits)
+    rel = np.abs(p / np.asarray(x, np.float64) - 1.0)
+    assert rel.max() <= 2.0 ** -(bound_bits + 1)
+    assert rel.max() > 2.0 ** -(bound_bits + 2)      # and uses most of that range
+
+
 def test_conditioning_floor_passes_what_the_problem_allows_and_says_so():
     g = _normal((64, 48))
     r = np.asarray(g, np.float64)
