@@ -3,14 +3,16 @@
 analyze_ratio: median wall time of `analyze(candidate, golden)` (the public call: device-side
   statistics, the summary's transfer and the host-side Signature) over the median time of a bare
   jitted ``max(|candidate - golden|)`` on the same pair, timed in the same run, interleaved
-  (one of each per round). The pair: 16M float32 elements (4096 x 4096), the candidate the golden
+  (one of each per round, 41 rounds). The pair: 16M float32 elements (4096 x 4096), the candidate the golden
   moved by 0 or +-1 ULP per element (a correct kernel with another rounding). Goal <= 3.
 analyze_ratio_with_errors: the same with 3 elements bit-flipped as well, so the gated stages (worst
   elements, spatial structure) run too.
 first_check_s: wall time of a cold ``peat check pallas_matmul`` in a fresh subprocess (jax's
-  import included, peat's persistent compilation cache off: ``PEAT_CACHE_DIR=off``). Goal < 8.
+  import included, peat's persistent compilation cache off: ``PEAT_CACHE_DIR=off``), the median
+  of 3 such processes (each in first_check_runs_s). Goal < 8.
 second_shape_s: in one fresh process, after that check, a second one on other shapes
-  (``--shapes 40x24,24x56``): what an author pays per new shape. Goal < 1.
+  (``--shapes 40x24,24x56``): what an author pays per new shape; the median of 3 processes
+  (each in second_shape_runs_s; the split below is per process, then the median). Goal < 1.
 second_shape_kernel_compile_s: of that, the seconds XLA spent compiling the kernel itself (the
   jitted Pallas matmul, interpreted: its forward and backward at the new shapes and at their
   odd variant, one program (`candidate_vjp_pair`) for small inputs, else one each
@@ -24,8 +26,8 @@ first_check_compiles, second_shape_compiles: the analyzer's programs each compil
   `peat_jax._jax.cache_size`): small leaves share a padded bucket's program, so a new small
   shape compiles none.
 
-Prints one JSON object on one line. Runs with no arguments in about two minutes on 2 CPU cores
-(``--no-check`` skips the two check timings).
+Prints one JSON object on one line. Runs with no arguments in about a minute on 2 CPU cores
+(``--no-check`` skips the check timings).
 """
 from __future__ import annotations
 
@@ -117,24 +119,36 @@ def _fresh(args: list[str]) -> tuple[float, str]:
     return wall, done.stdout
 
 
-def first_checks() -> dict:
-    """first_check_s, second_shape_s and the analyzer's compiles in each (see the docstring)."""
-    first, _ = _fresh(["-m", "peat_jax", "check", "pallas_matmul", "--json"])
-    _, out = _fresh(["-c", _SECOND_SHAPE])
-    second = json.loads(out.strip().splitlines()[-1])
-    return {"first_check_s": round(first, 2), "second_shape_s": round(second["second_shape_s"], 2),
-            "second_shape_kernel_compile_s": round(second["second_shape_kernel_compile_s"], 2),
-            "second_shape_kernel_s": round(second["second_shape_kernel_s"], 2),
-            "second_shape_peat_s": round(second["second_shape_s"]
-                                         - second["second_shape_kernel_s"], 2),
-            "first_check_compiles": second["first_check_compiles"],
-            "second_shape_compiles": second["second_shape_compiles"]}
+def first_checks(samples: int) -> dict:
+    """first_check_s, second_shape_s and the analyzer's compiles in each (see the docstring): the
+    medians over `samples` fresh processes of each kind (one cold process is one noisy sample:
+    +-15% here from run to run)."""
+    firsts = [_fresh(["-m", "peat_jax", "check", "pallas_matmul", "--json"])[0]
+              for _ in range(samples)]
+    seconds = [json.loads(_fresh(["-c", _SECOND_SHAPE])[1].strip().splitlines()[-1])
+               for _ in range(samples)]
+
+    def median(key: str) -> float:
+        return round(statistics.median(s[key] for s in seconds), 2)
+
+    return {"first_check_s": round(statistics.median(firsts), 2),
+            "first_check_runs_s": [round(t, 2) for t in firsts],
+            "second_shape_s": median("second_shape_s"),
+            "second_shape_runs_s": [round(s["second_shape_s"], 2) for s in seconds],
+            "second_shape_kernel_compile_s": median("second_shape_kernel_compile_s"),
+            "second_shape_kernel_s": median("second_shape_kernel_s"),
+            "second_shape_peat_s": round(statistics.median(
+                s["second_shape_s"] - s["second_shape_kernel_s"] for s in seconds), 2),
+            "first_check_compiles": seconds[0]["first_check_compiles"],
+            "second_shape_compiles": max(s["second_shape_compiles"] for s in seconds)}
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--side", type=int, default=4096, help="matrix side (default 4096: 16M)")
-    parser.add_argument("--repeats", type=int, default=15, help="timed rounds per pair")
+    parser.add_argument("--repeats", type=int, default=41, help="timed rounds per pair")
+    parser.add_argument("--samples", type=int, default=3, help="fresh processes per check "
+                        "timing (medians reported)")
     parser.add_argument("--no-check", action="store_true", help="skip first_check_s and "
                         "second_shape_s")
     args = parser.parse_args(argv)
@@ -167,7 +181,7 @@ def main(argv=None) -> dict:
         "mismatched": sig.counts.mismatched,
         "significant": sig.counts.significant,
         "significant_with_errors": sig_f.counts.significant,
-        **({} if args.no_check else first_checks()),
+        **({} if args.no_check else first_checks(args.samples)),
         "repeats": args.repeats,
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),

@@ -1,6 +1,7 @@
 """The `peat` command driven as a user would: subprocesses, exit codes, files, the report."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import pathlib
@@ -109,6 +110,25 @@ def test_check_runs_a_bundled_region_kernel_against_its_reference():
     assert d["passed"] and d["model"] in ("exact", "numerical_noise")
     outputs = {(variant, output) for variant, output, _ in d["evidence"]["checks"]}
     assert {("example", "forward"), ("example", "grad[0]"), ("outliers", "grad[0]")} <= outputs
+
+
+def test_a_command_runs_with_the_heap_it_found_frozen_and_leaves_it_as_it_was(monkeypatch):
+    """A full garbage collection during a command scans only what the command made (the CLI
+    freezes jax's objects for it); afterwards the heap is as before, a caller's freeze kept."""
+    from peat_jax import cli
+    if gc.get_freeze_count():
+        pytest.skip("something in this process froze objects already")
+    seen = []
+    monkeypatch.setattr(cli, "cmd_check", lambda args: seen.append(gc.get_freeze_count()) or 0)
+    assert cli.main(["check", "pallas_matmul"]) == 0
+    assert seen[0] > 10_000 and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert cli.main(["check", "pallas_matmul"]) == 0
+        assert seen[1] == frozen and gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
 
 
 @pytest.mark.parametrize("args,needle", [
