@@ -6,7 +6,13 @@ recall: fraction of the buggy kernels that fail. false_alarms: correct kernels t
 attribution: fraction of the buggy kernels named with their expected model.
 without_float64: entries judged, on some variant, without a float64 reference (the dtype bound
   as the floor; `evidence["no_float64_reference"]`): none expected.
-entries: per entry [kind, expected, diagnosed model, passed, seconds].
+playback_recall, playback_false_alarms, playback_unseen: every entry also replayed by
+  `peat.playback` at its reference's sites of a small training step (tests/corpus/step.py,
+  checkpoint 10 of 20): the fraction of the buggy kernels failing at some site, the correct
+  kernels failing at any, and the buggy kernels that pass everywhere there (their bug needs
+  inputs the step does not make).
+entries: per entry [kind, expected, diagnosed model, passed, seconds, playback models at the
+  failing sites ([] : passes everywhere)].
 seconds: wall time of the whole run.
 
 Prints one JSON object on one line. Runs with no arguments in a few minutes on 2 CPU cores;
@@ -22,6 +28,7 @@ import json
 import pathlib
 import re
 import sys
+import tempfile
 import time
 import warnings
 
@@ -30,6 +37,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 import peat_jax as peat  # noqa: E402
 from peat_jax.kernels import pallas as pk  # noqa: E402
 from corpus import ENTRIES  # noqa: E402
+from corpus.step import golden_run, play  # noqa: E402
 
 
 def run_entry(e) -> tuple[peat.Diagnosis, float]:
@@ -49,12 +57,16 @@ def _evidence(d: peat.Diagnosis) -> str:
     return (text[:140] + "..." if len(text) > 140 else text) + where
 
 
-def table(rows) -> str:
-    lines = ["| entry | kind | what | expected | diagnosis | evidence |", "|---|---|---|---|---|---|"]
+def table(rows, played) -> str:
+    lines = ["| entry | kind | what | expected | diagnosis | evidence | in a training step |",
+             "|---|---|---|---|---|---|---|"]
     for e, d in rows:
         verdict = f"{d.model} ({'pass' if d.passed else 'fail'})"
+        p = played[e.name]
+        step = (f"{', '.join(sorted(p.models))} at {p.failing} of {p.cells} sites"
+                if p.failing else f"pass ({p.cells} sites)")
         lines.append(f"| `{e.name}` | {e.kind} | {e.what} | {e.expected} | {verdict} | "
-                     f"{_evidence(d).replace('|', '/')} |")
+                     f"{_evidence(d).replace('|', '/')} | {step} |")
     return "\n".join(lines) + "\n"
 
 
@@ -64,13 +76,18 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     t0 = time.perf_counter()
-    rows, entries = [], {}
+    rows, entries, played = [], {}, {}
+    scratch = tempfile.TemporaryDirectory(prefix="peat-corpus-")
+    run_dir = golden_run(pathlib.Path(scratch.name) / "run")
     for e in ENTRIES:
         if e.needs is not None and importlib.util.find_spec(e.needs) is None:
             continue
         d, secs = run_entry(e)
+        with contextlib.redirect_stdout(io.StringIO()):
+            played[e.name] = play(e, run_dir)
         rows.append((e, d))
-        entries[e.name] = [e.kind, e.expected, d.model, d.passed, round(secs, 1)]
+        entries[e.name] = [e.kind, e.expected, d.model, d.passed, round(secs, 1),
+                           sorted(played[e.name].models)]
     bugs = [(e, d) for e, d in rows if e.kind == "bug"]
     correct = [(e, d) for e, d in rows if e.kind == "correct"]
     out = {
@@ -82,11 +99,16 @@ def main(argv=None) -> dict:
         "misnamed": sorted(e.name for e, d in bugs if d.model != e.expected),
         "flagged_correct": sorted(e.name for e, d in correct if not d.passed),
         "without_float64": sorted(e.name for e, d in rows if "no_float64_reference" in d.evidence),
+        "playback_recall": round(sum(played[e.name].failing > 0 for e, _ in bugs)
+                                 / max(len(bugs), 1), 3),
+        "playback_false_alarms": sum(played[e.name].failing > 0 for e, _ in correct),
+        "playback_unseen": sorted(e.name for e, _ in bugs if not played[e.name].failing),
         "seconds": round(time.perf_counter() - t0, 1),
         "entries": entries,
     }
+    scratch.cleanup()
     if args.table:
-        pathlib.Path(args.table).write_text(table(rows))
+        pathlib.Path(args.table).write_text(table(rows, played))
     print(json.dumps(out))
     return out
 
