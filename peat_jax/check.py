@@ -30,7 +30,7 @@ from peat_jax.formats import float_format, round_to_format
 from peat_jax.kernels.pallas.interpret import races_found, reset_interpret_state
 from peat_jax.precision import at_matmul_precision, matmul_precision
 from peat_jax.promote import widened
-from peat_jax.sites import REDUCING_PRIMITIVES, list_sites, reduction_length
+from peat_jax.sites import REDUCING_PRIMITIVES, list_sites, reduction_length, trace_key
 
 __all__ = ["CONDITIONING_PERTURBATIONS", "REFERENCE_SPREAD_FACTOR", "VARIANTS", "VJP_FORWARD",
            "check_kernel", "make_variant", "perturb_inputs"]
@@ -790,8 +790,8 @@ class _Found:
       runs: variant -> its `_Run`.
       refs64: variant -> the float64 reference's outputs ({} where there is none).
       why64: variant -> why it has no float64 reference (or only some outputs).
-      reductions: `_longest_reduction` by the run's shapes (`_shapes_key`): variants of one
-        shape trace the reference's program once.
+      reductions: `_longest_reduction` by the run's shapes (`sites.trace_key`): variants of
+        one shape trace the reference's program once.
     """
 
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -800,14 +800,6 @@ class _Found:
     refs64: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     why64: dict[str, str] = dataclasses.field(default_factory=dict)
     reductions: dict[Any, Optional[int]] = dataclasses.field(default_factory=dict)
-
-
-def _shapes_key(tree) -> tuple:
-    """A hashable key of a pytree's structure, its arrays' shapes and dtypes and its other
-    leaves' reprs: what a trace of a function of it depends on."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return treedef, tuple((np.shape(x), str(x.dtype)) if hasattr(x, "dtype") else repr(x)
-                          for x in leaves)
 
 
 def _comparisons(pool: ThreadPoolExecutor, reference, reference64: Callable, run: _Run,
@@ -824,10 +816,10 @@ def _comparisons(pool: ThreadPoolExecutor, reference, reference64: Callable, run
     cond = _conditioning(reference64, run, ref64, seed) if opts.conditioning else {}
     k = None
     if ref64 and opts.reduction_length is None:
-        key = _shapes_key((run.args, run.cotangent, run.positions))
-        if key not in found.reductions:
-            found.reductions[key] = _longest_reduction(reference, run)
-        k = found.reductions[key]
+        key = (trace_key((run.args, run.cotangent)), run.positions)
+        k = found.reductions[key] if key in found.reductions and key[0] is not None \
+            else _longest_reduction(reference, run)
+        found.reductions[key] = k
     return [_Pending(run.variant, output, _submit(
         pool, _diagnose, run.candidate[output], gold, ref64.get(output), opts,
         conditioning=cond.get(output), reduction_length=k))

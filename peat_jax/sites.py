@@ -18,7 +18,7 @@ from peat_jax._region_registry import region_of
 from peat_jax.errors import PeatError
 
 __all__ = ["REDUCING_PRIMITIVES", "Site", "Selector", "format_sites", "list_sites",
-           "reduction_length", "select"]
+           "reduction_length", "select", "trace_key"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +131,26 @@ def _is_dynamic(x) -> bool:
         _jax.is_tracer(x)
 
 
+def _flat_key(leaves: list, treedef) -> Optional[tuple]:
+    mask = tuple(_is_dynamic(x) for x in leaves)
+    key = (treedef, mask, tuple(jax.typeof(x) for x, d in zip(leaves, mask) if d),
+           tuple(x for x, d in zip(leaves, mask) if not d))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def trace_key(tree) -> Optional[tuple]:
+    """What a trace of a function of the pytree `tree` depends on, as a hashable key: its
+    structure, which leaves are arrays (or scalars traced as arrays), their abstract values
+    (shape, dtype, weak type) and the other leaves themselves. None when one of those others
+    is unhashable (no key: trace again)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return _flat_key(leaves, treedef)
+
+
 @dataclasses.dataclass
 class Traced:
     """A function traced on one argument structure: its program, sites and output tree."""
@@ -160,14 +180,9 @@ class Tracer:
 
     def trace(self, args: tuple, kwargs: Mapping[str, Any]) -> Traced:
         leaves, in_tree = jax.tree.flatten((args, kwargs))
-        mask = tuple(_is_dynamic(x) for x in leaves)
-        statics = tuple(x for x, d in zip(leaves, mask) if not d)
+        key = _flat_key(leaves, in_tree)
+        mask = tuple(_is_dynamic(x) for x in leaves) if key is None else key[1]
         avals = tuple(jax.typeof(x) for x, d in zip(leaves, mask) if d)
-        try:
-            key = (in_tree, mask, avals, statics)
-            hash(key)
-        except TypeError:
-            key = None
         with self._lock:
             if key is not None and key in self._cache:
                 return self._cache[key]
