@@ -76,7 +76,7 @@ def _interleaved(a, b, args, repeats: int) -> tuple[float, float]:
     return statistics.median(ta), statistics.median(tb)
 
 
-_SECOND_SHAPE = """
+_SECOND_SHAPE = r"""
 import json, logging, re, time
 import jax
 from peat_jax import _jax, cli

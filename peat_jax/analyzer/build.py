@@ -118,36 +118,40 @@ def _ratio(stats: LeafStats) -> Ratio:
 
 def _profile_stats(p: np.ndarray, per_index: int, blocks) -> tuple:
     """Block alignment and periodicity of an error profile (significant errors per index of one
-    axis; `per_index`: elements per index).
+    axis; `per_index`: elements per index; -1 everywhere when the gated stage did not run).
 
     Returns:
       (list of (block, pattern, precision, recall, start, stop), smallest period or None, first
-      index with errors or -1, last or -1).
+      index with errors or -1, last or -1); ([], None, -1, -1) for a profile without errors.
     """
     p = np.asarray(p, np.int64)
+    on = p > 0
+    if not on.any():
+        return [], None, -1, -1
     n = p.shape[0]
     total = max(int(p.sum()), 1)
-    j = np.arange(n)
     out = []
     for b in blocks:
         if n <= b:
             continue
+        # the edges (first and last index of each block, and the axis' last) by strided sums;
+        # the last index is counted apart only when it is no block's edge already
+        last_apart = (n - 1) % b not in (0, b - 1)
+        edges = int(p[::b].sum() + p[b - 1::b].sum() + (p[n - 1] if last_apart else 0))
+        n_edges = len(range(0, n, b)) + len(range(b - 1, n, b)) + int(last_apart)
         start = (n // b) * b if n % b else n - b
-        for pattern, mask in (("edges", (j % b == 0) | (j % b == b - 1) | (j == n - 1)),
-                              ("last_block", j >= start)):
-            inside = int(p[mask].sum())
-            out.append((b, pattern, inside / total, inside / max(int(mask.sum()) * per_index, 1),
-                        0 if pattern == "edges" else start, n))
-    on = p > 0
+        last_block = int(p[start:].sum())
+        out.append((b, "edges", edges / total, edges / max(n_edges * per_index, 1), 0, n))
+        out.append((b, "last_block", last_block / total,
+                    last_block / max((n - start) * per_index, 1), start, n))
     period = None
-    if on.any() and not on.all():
+    if not on.all():
         for q in range(2, min(n // 2, MAX_PERIOD) + 1):
             if np.array_equal(on[q:], on[:-q]):
                 period = q
                 break
     nz = np.nonzero(on)[0]
-    first, last = (int(nz[0]), int(nz[-1])) if nz.size else (-1, -1)
-    return out, period, first, last
+    return out, period, int(nz[0]), int(nz[-1])
 
 
 def _structure(stats: LeafStats, shape, options: Options) -> Structure:
