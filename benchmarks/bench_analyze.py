@@ -3,8 +3,9 @@
 analyze_ratio: median wall time of `analyze(candidate, golden)` (the public call: device-side
   statistics, the summary's transfer and the host-side Signature) over the median time of a bare
   jitted ``max(|candidate - golden|)`` on the same pair, timed in the same run, interleaved
-  (one of each per round, 41 rounds). The pair: 16M float32 elements (4096 x 4096), the candidate the golden
-  moved by 0 or +-1 ULP per element (a correct kernel with another rounding). Goal <= 3.
+  (one of each per round, 41 rounds). The pair: 16M float32 elements (4096 x 4096), the
+  candidate the golden moved by 0 or +-1 ULP per element (a correct kernel with another
+  rounding). Goal <= 3.
 analyze_ratio_with_errors: the same with 3 elements bit-flipped as well, so the gated stages (worst
   elements, spatial structure) run too.
 first_check_s: wall time of a cold ``peat check pallas_matmul`` in a fresh subprocess (jax's

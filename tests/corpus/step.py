@@ -4,9 +4,9 @@ Every reference of the corpus is a region (`peat.region`) of one step of a small
 network trained with Adam: a classifier (matmul, layer norm, GELU, matmul, softmax; its first
 matmul contracts K = 20, not a multiple of the corpus kernels' 8-blocks, over M = 20 rows, not
 one either), a row normalisation of its hidden features, 256-wide row sums (the Kahan entry's
-width) and a self-attention head on a [1, 16, 2, 8] sequence. Each corpus entry then replays at its reference's sites on
-the activations training produced (`playback` at a checkpoint), which is where a kernel meets
-inputs nobody chose for it.
+width) and a self-attention head on a [1, 16, 2, 8] sequence. Each corpus entry then replays at
+its reference's sites on the activations training produced (`playback` at a checkpoint), which
+is where a kernel meets inputs nobody chose for it.
 """
 from __future__ import annotations
 
@@ -41,8 +41,11 @@ _mm, _softmax, _ln, _gelu, _normalise, _sum, _attention = (
                                           references.attention))
 
 
+_TX = optax.adam(3e-3)
+
+
 def _init(key):
-    ks = jax.random.split(key, 7)
+    ks = jax.random.split(key, 6)
 
     def w(k, shape):
         return jax.random.normal(k, shape, jnp.float32) / np.sqrt(shape[0])
@@ -52,9 +55,6 @@ def _init(key):
               "ln_bias": jnp.zeros(HIDDEN), "wq": w(ks[3], (T, T)), "wk": w(ks[4], (T, T)),
               "wv": w(ks[5], (T, T))}
     return params, _TX.init(params)
-
-
-_TX = optax.adam(3e-3)
 
 
 def _loss(params, batch):
@@ -128,7 +128,8 @@ class Played(NamedTuple):
 
 
 def golden_run(path: pathlib.Path) -> pathlib.Path:
-    """`path`, holding a golden run of `STEPS` steps of the step (checkpoints every 10)."""
+    """`path`, holding a golden run of `STEPS` steps of the step (a checkpoint every
+    `CHECKPOINT` steps)."""
     profile(workload(), path, steps=STEPS, checkpoint_every=CHECKPOINT)
     return path
 
