@@ -37,7 +37,7 @@ from peat_jax.errors import PeatError
 __all__ = [
     "JAX_VERSION", "TESTED_RANGE", "Literal", "ScanLayout", "ShardMapLayout", "WhileLayout",
     "bind", "cache_size", "call_body", "cond_branches", "cuda_versions", "debug_callback_logger",
-    "eqn_context",
+    "eqn_context", "io_callback_logger",
     "ffi_platform", "is_differentiating", "is_jaxpr", "is_tracer", "jaxpr_body", "jaxpr_consts",
     "live_processes", "name_stack", "pallas_interpreter", "remat_layout", "scan_layout",
     "shard_map", "shard_map_layout", "sub_jaxprs", "unsupported", "while_layout",
@@ -345,6 +345,13 @@ def debug_callback_logger() -> logging.Logger:
     """The logger to which jax reports an exception raised inside a `jax.debug.callback`, with
     its traceback, before the exception reaches the caller (the same module on 0.10-0.12)."""
     return logging.getLogger("jax._src.debugging")
+
+
+def io_callback_logger() -> logging.Logger:
+    """The logger to which jax reports an exception raised inside a `jax.pure_callback` or
+    `io_callback` (the checked Pallas interpreter runs its kernels through one), with its
+    traceback, before the exception reaches the caller (the same module on 0.10-0.12)."""
+    return logging.getLogger("jax._src.callback")
 
 
 def cuda_versions() -> dict[str, Optional[int]]:

@@ -33,7 +33,8 @@ from peat_jax.promote import widened
 from peat_jax.sites import REDUCING_PRIMITIVES, list_sites, reduction_length, trace_key
 
 __all__ = ["CONDITIONING_PERTURBATIONS", "REFERENCE_SPREAD_FACTOR", "VARIANTS", "VJP_FORWARD",
-           "check_kernel", "make_variant", "perturb_inputs"]
+           "check_kernel", "float64_evidence", "make_variant", "perturb_inputs",
+           "perturbation_spread"]
 
 VARIANTS: tuple[str, ...] = ("example", "large", "tiny", "near_overflow", "subnormal", "zeros",
                              "outliers", "odd_shape")
@@ -651,7 +652,7 @@ def perturb_inputs(args, rng: np.random.Generator, mantissa_bits: int = 0):
     return jax.tree.map(one, args)
 
 
-def _spread(base, moved) -> Any:
+def perturbation_spread(base, moved) -> Any:
     """|moved - base| per element of every float leaf (float64; 0 where either is not
     finite)."""
     def one(b, m):
@@ -679,7 +680,7 @@ def _conditioning(reference, run: _Run, ref64: dict[str, Any], seed: int) -> dic
         if set(moved) != set(ref64):
             return {}
         for o, m in moved.items():
-            d = _spread(ref64[o], m)
+            d = perturbation_spread(ref64[o], m)
             worst[o] = d if o not in worst else jax.tree.map(np.maximum, worst[o], d)
     return worst
 
@@ -851,15 +852,23 @@ def _by_float64(c: _Check, run: _Run, ref64: dict[str, Any], cand64: dict[str, A
     o = c.output
     if c.diagnosis.passed or o not in ref64 or o not in cand64:
         return c
-    leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(ref64[o])]
+    f = float64_evidence(run.candidate[o], run.reference[o], ref64[o], cand64[o])
+    return _Check(c.variant, o, by_float64(c.diagnosis, f, allow=opts.allow))
+
+
+def float64_evidence(candidate, reference, reference64, candidate64) -> Float64Evidence:
+    """What `detector.by_float64` reads about one output (arrays or pytrees of one structure):
+    the candidate's value, the reference's in the same dtype, the float64 reference's and the
+    candidate's run on the same inputs in float64. Errors are max |differences| in output
+    units; the scale is max |float64 reference| over its finite elements."""
+    leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(reference64)]
     finite = [x[np.isfinite(x)] for x in leaves]
     scale = max((float(np.abs(x).max()) for x in finite if x.size), default=0.0)
-    dtype = str(jnp.result_type(jax.tree.leaves(run.candidate[o])[0]))
-    f = Float64Evidence(dtype=dtype, error=_max_difference(run.candidate[o], ref64[o]),
-                        error64=_max_difference(cand64[o], ref64[o]), scale=scale,
-                        reference_error=_max_difference(run.reference[o], ref64[o]),
-                        in_float64=_beyond_grid(cand64[o], dtype))
-    return _Check(c.variant, o, by_float64(c.diagnosis, f, allow=opts.allow))
+    dtype = str(jnp.result_type(jax.tree.leaves(candidate)[0]))
+    return Float64Evidence(dtype=dtype, error=_max_difference(candidate, reference64),
+                           error64=_max_difference(candidate64, reference64), scale=scale,
+                           reference_error=_max_difference(reference, reference64),
+                           in_float64=_beyond_grid(candidate64, dtype))
 
 
 def _beyond_grid(tree, dtype: str) -> bool:

@@ -24,7 +24,7 @@ import numpy as np
 from peat_jax import _jax
 from peat_jax.errors import PeatError
 
-__all__ = ["widened"]
+__all__ = ["widened", "widened_eqn"]
 
 _REFUSED = frozenset({"bitcast_convert_type"})
 
@@ -91,4 +91,17 @@ def widened(fn: Callable) -> Callable:
 
     shadow.__name__ = shadow.__qualname__ = \
         f"{getattr(fn, '__name__', type(fn).__name__)}_float64"
+    return jax.jit(shadow)
+
+
+def widened_eqn(eqn) -> Callable:
+    """One equation of a jaxpr (an op site's) as `widened` evaluates it: ``fn(*operands) ->
+    list of outputs``, its floats, casts and float `preferred_element_type` widened to float64
+    and its calls inlined; jitted. Call it under ``jax.enable_x64(True)`` on float64 operands.
+    Raises `PeatError` on the equations `widened` refuses (loops, branches, kernels,
+    bitcasts), when called."""
+    def shadow(*operands):
+        return _eqn(eqn, [_widen(x) for x in operands])
+
+    shadow.__name__ = shadow.__qualname__ = f"{eqn.primitive.name}_float64"
     return jax.jit(shadow)

@@ -25,8 +25,8 @@ from peat_jax.faults import Fault
 from peat_jax.kernels import Kernel
 from peat_jax.sites import Site, Tracer, Traced, select
 
-__all__ = ["Active", "Candidate", "OnError", "Substituted", "Substitution", "fault_key",
-           "make_rules", "resolve", "run_rules", "substitute", "switched"]
+__all__ = ["Active", "Candidate", "OnError", "Substituted", "Substitution", "call_kernel",
+           "fault_key", "make_rules", "resolve", "run_rules", "substitute", "switched"]
 
 Candidate = Union[Kernel, Fault]
 Substitution = Mapping[Any, Candidate]
@@ -97,7 +97,7 @@ def _run_candidate(cand: Candidate, site: Site, vals: Sequence[Any], reference, 
         outs[k] = cand.apply(lambda *ops: reference(*ops)[k], tuple(vals), key, site)
     else:
         try:
-            outs = _call_kernel(cand, site, vals)
+            outs = call_kernel(cand, site, vals)
         except PeatError:
             raise
         except Exception as e:  # noqa: BLE001 - re-raised with the site named
@@ -113,7 +113,11 @@ def _run_candidate(cand: Candidate, site: Site, vals: Sequence[Any], reference, 
     return outs
 
 
-def _call_kernel(k: Kernel, site: Site, vals) -> list:
+def call_kernel(k: Kernel, site: Site, vals) -> list:
+    """The outputs (a list) kernel `k` computes at `site` on its operands `vals`: with the
+    op's params for a primitive site, the region's arguments (and, at its backward site, the
+    VJP of `k` under the cotangents) for a composite one. Not checked against the site's
+    output types."""
     if not site.composite:
         params = {n: v for n, v in site.params.items()}
         out = k(*vals, **params)

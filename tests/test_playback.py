@@ -132,6 +132,8 @@ def test_language_workload_playback_through_scan_and_remat(tmp_path):
     failing = res.failing("local")
     assert len(failing) == 1 and failing[0]["phase"] == "bwd" and "blocks" in failing[0]["path"]
     assert failing[0]["local"]["model"] == "sign_flip"
+    # judged against the dtype bound only, and saying why: no float64 evidence inside a scan
+    assert "inside a scan" in failing[0]["local"]["evidence"]["no_float64_reference"]
 
 
 def test_resumed_cells_are_cells_with_diagnoses(run):

@@ -15,8 +15,10 @@ campaign again skips the cells already there.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import logging
 import threading
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -24,10 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from peat_jax import formats
-from peat_jax.analyzer import analyze
-from peat_jax.detector import Diagnosis, detect
+from peat_jax import _jax, formats
+from peat_jax.analyzer import Signature, analyze
+from peat_jax.check import (CONDITIONING_PERTURBATIONS, float64_evidence, perturb_inputs,
+                            perturbation_spread)
+from peat_jax.detector import Diagnosis, by_float64, detect
 from peat_jax.errors import PeatError
+from peat_jax.kernels.base import Kernel
 from peat_jax.precision import at_matmul_precision, with_callers_precision
 from peat_jax.profiler.campaign import Campaign, campaign_name, campaign_spec, open_campaign
 from peat_jax.profiler.effect import Effect, diagnose_effect, reference_spread
@@ -36,8 +41,9 @@ from peat_jax.profiler.hostio import quiet, to_device
 from peat_jax.profiler.replay import Replay, Taps, error_line
 from peat_jax.profiler.rundir import PathLike, RunDir, recorded_precision
 from peat_jax.profiler.workload import Workload
-from peat_jax.sites import Site, Traced, Tracer, select
-from peat_jax.substitute import Candidate, Substitution, resolve
+from peat_jax.promote import widened_eqn
+from peat_jax.sites import Site, Traced, Tracer, reduction_length, select
+from peat_jax.substitute import Candidate, Substitution, call_kernel, resolve
 
 __all__ = ["Cell", "CellTimeout", "Effect", "PlaybackResult", "diagnose_effect", "playback"]
 
@@ -320,9 +326,10 @@ def _play_checkpoint(run: _Run, c: int, todo: Sequence[Site], state, batch) -> f
         if s.index in crashed:
             run.finish(run.failed(c, s, "crashed", crashed[s.index]))
     groups = run.replay.groups([s for s in todo if s.index not in crashed])
+    judge = _Float64Judge(run, state, batch)
     for group, outs in _outputs(run, c, groups, state, batch):
         for s in group:
-            run.finish(_diagnosed(run, c, s, golden, outs, ref_spread, state))
+            run.finish(_diagnosed(run, c, s, golden, outs, ref_spread, state, judge))
     run.campaign.clear_running()
     return spread
 
@@ -392,13 +399,15 @@ def _with_time_limit(fn, seconds: float):
     return box[0] if box else _TIMED_OUT
 
 
-def _diagnosed(run: _Run, c: int, site: Site, golden, outs, ref_spread, before) -> Cell:
+def _diagnosed(run: _Run, c: int, site: Site, golden, outs, ref_spread, before,
+               judge: Optional["_Float64Judge"] = None) -> Cell:
     """The cell of `site` diagnosed from its replay's outputs; a crashed cell where running the
     replay raised (`outs` is then the exception) or its outputs cannot be read."""
     try:
         if isinstance(outs, BaseException):
             raise outs
-        return _cell(c, site, run.candidate(site), golden, outs[site.index], ref_spread, before)
+        return _cell(c, site, run.candidate(site), golden, outs[site.index], ref_spread, before,
+                     judge)
     except Exception as e:  # noqa: BLE001 - the candidate failed while running
         return run.failed(c, site, "crashed", error_line(e))
 
@@ -437,19 +446,22 @@ def _cell_from_record(rec: dict, site: Site) -> Cell:
 
 
 def _cell(checkpoint: int, site: Site, candidate: str, golden, got, ref_spread=None,
-          before=None) -> Cell:
+          before=None, judge: Optional["_Float64Judge"] = None) -> Cell:
     """The diagnosed cell: `golden` and `got` are the golden and the candidate's replay
-    outputs (new state, metrics, Taps); `before` the state the step started from."""
+    outputs (new state, metrics, Taps); `before` the state the step started from; `judge`
+    judges a failing site again with float64 evidence."""
     gs, gm, _ = golden
     cs, cm, taps = got
-    local, compact = _local(site, taps)
+    local, compact = _local(site, taps, judge)
     effect = diagnose_effect((gs, gm), (cs, cm), ref_spread, before)
     return Cell(checkpoint, site, candidate, local, effect, effect.loss, compact, effect.leaf)
 
 
-def _local(site: Site, taps: Taps) -> tuple[Optional[Diagnosis], Optional[dict]]:
+def _local(site: Site, taps: Taps, judge: Optional["_Float64Judge"] = None
+           ) -> tuple[Optional[Diagnosis], Optional[dict]]:
     """The Diagnosis at the site (None where it was not tapped) and, when it fails, its
-    compact signature for the report."""
+    compact signature for the report. The floor is the dtype bound; a failing site is judged
+    again by `judge` (float64 evidence at the site), whose verdict stands where it has one."""
     if not bool(taps.found):
         return None, None
     n = int(np.prod(site.out_shapes[0]))
@@ -460,7 +472,101 @@ def _local(site: Site, taps: Taps) -> tuple[Optional[Diagnosis], Optional[dict]]
     c, r = (np.asarray(t[:n]).reshape(shape).astype(dtype) for t in (ct, rt))
     sig = analyze(c, r)
     local = detect(sig)
+    if not local.passed and judge is not None:
+        sig, local = judge(site, c, r, sig, local)
     return local, None if local.passed else _compact_signature(sig, c, r)
+
+
+class _Float64Judge:
+    """A failing site judged again as `check_kernel` judges a failing output: the site's op
+    evaluated in float64 on the golden step's operands there (`promote.widened_eqn`) sets the
+    noise floor, its spread under `CONDITIONING_PERTURBATIONS` perturbations of the operands
+    at their last bit the conditioning floor, and the candidate run on the same operands in
+    float64 names what remains (`detector.by_float64`: ``unstable_algorithm``,
+    ``approximation``). Kernels only (a modelled fault has no float64 run); sites that run once
+    per step. The operands are read out on the first failing site of a checkpoint (one more
+    compiled program per campaign)."""
+
+    def __init__(self, run: _Run, state, batch):
+        self.run, self.state, self.batch = run, state, batch
+        self._operands: Optional[dict] = None
+
+    def __call__(self, site: Site, c: np.ndarray, r: np.ndarray, sig: Signature,
+                 local: Diagnosis) -> tuple[Signature, Diagnosis]:
+        kernel = self.run.chosen.get(site.index)
+        if not isinstance(kernel, Kernel):
+            return sig, local
+        try:
+            if site.repeats != 1:
+                raise PeatError(f"the site runs {site.repeats} times a step (inside a scan): "
+                                "its operands are not read out")
+            if self._operands is None:
+                self._operands = self.run.replay.operands(self.state, self.batch)
+            if site.index not in self._operands:
+                raise PeatError("the site's operands are not read out inside a while loop or "
+                                "a branch")
+            operands = jax.device_get(self._operands[site.index])
+            return _judged_in_float64(site, kernel, self.run.replay.eqns[site.index], operands,
+                                      c, r)
+        except Exception as e:  # noqa: BLE001 - the dtype bound's verdict stands, and says why
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            ev = {**local.evidence, "no_float64_reference": why}
+            return sig, dataclasses.replace(local, evidence=ev, summary=(
+                f"{local.summary} (judged against the dtype bound: no float64 evaluation of "
+                f"the site, {why})"))
+
+
+def _judged_in_float64(site: Site, kernel: Kernel, eqn, operands, c: np.ndarray,
+                       r: np.ndarray) -> tuple[Signature, Diagnosis]:
+    """(signature, diagnosis) of the site's candidate output `c` against the reference's `r`
+    with the float64 floors and, if it still fails, the float64 rules (see `_Float64Judge`)."""
+    k = next(i for i, d in enumerate(site.out_dtypes) if jnp.issubdtype(d, jnp.floating))
+    shadow = widened_eqn(eqn)
+    bits = formats.float_format(site.out_dtypes[k]).mantissa_bits
+    rng = np.random.default_rng(site.index)
+    with jax.enable_x64(True):
+        x64 = [np.asarray(x, np.float64) if jnp.issubdtype(np.asarray(x).dtype, jnp.floating)
+               else x for x in operands]
+        ref64 = np.asarray(shadow(*x64)[k])
+        if ref64.dtype != np.float64:
+            raise PeatError(f"the site's op returns {ref64.dtype} on float64 operands")
+        spread = np.zeros_like(ref64)
+        for _ in range(CONDITIONING_PERTURBATIONS):
+            moved = shadow(*perturb_inputs(list(operands), rng, bits))[k]
+            spread = np.maximum(spread, perturbation_spread(ref64, np.asarray(moved)))
+    sig = analyze(c, r, ref64, reduction_length=reduction_length(site), conditioning=spread)
+    local = detect(sig)
+    if local.passed:
+        return sig, local
+    try:
+        with jax.enable_x64(True), _callback_errors_unlogged():
+            cand64 = np.asarray(call_kernel(kernel, _widened_site(site), x64)[k])
+    except Exception:  # noqa: BLE001 - a kernel that cannot run in float64: no float64 rule
+        return sig, local
+    return sig, by_float64(local, float64_evidence(c, r, ref64, cand64))
+
+
+@contextlib.contextmanager
+def _callback_errors_unlogged():
+    """jax's log of an exception inside a callback (a checked Pallas kernel that cannot run
+    in float64 fails there) silenced: the exception itself still reaches the caller."""
+    logger = _jax.io_callback_logger()
+    drop = logging.Filter("nothing")   # a filter that passes no record of "jax._src.callback"
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+def _widened_site(site: Site) -> Site:
+    """`site` with a float `preferred_element_type` made float64 (the candidate's float64
+    run computes in float64 where the op's params would pin its output narrower)."""
+    pref = site.params.get("preferred_element_type")
+    if pref is None or not jnp.issubdtype(pref, jnp.floating):
+        return site
+    return dataclasses.replace(site, params={**site.params,
+                                             "preferred_element_type": np.dtype(np.float64)})
 
 
 _MASK_SIDE = 48

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from peat_jax import _interpreter as _ip
 from peat_jax import _jax
 from peat_jax.sites import Site, Traced
 from peat_jax.substitute import Candidate, fault_key, make_rules, run_rules
@@ -50,6 +51,7 @@ class Replay:
         self.crashed: dict[int, str] = {}
         self.fn = jax.jit(self._run)
         self._compiled = [self.fn]
+        self._capture = jax.jit(self._operands)
 
     @property
     def group_size(self) -> int:
@@ -105,9 +107,31 @@ class Replay:
                                                 with_sides=True)
         return new_state, metrics, _taps_at(sides, site_index, self.width)
 
+    def operands(self, state, batch) -> dict[int, tuple]:
+        """The golden step's operands at each grid site that runs once per step (not inside a
+        `scan`; a `while` or `cond` body's are not read out), by site index: device arrays,
+        from one more compiled program (built on first use; not counted in `compiles`)."""
+        return self._capture(state, batch)
+
+    @functools.cached_property
+    def eqns(self) -> dict[int, Any]:
+        """The jaxpr equation of each site, by site index (what `promote.widened_eqn`
+        evaluates in float64)."""
+        return {op.index: op.eqn for op in self.traced.program.ops()}
+
+    def _operands(self, state, batch):
+        rules = {i: _capturing for i in self.chosen if self.traced.sites[i].repeats == 1}
+        _, sides = run_rules(self.traced, rules, (state, batch), {}, with_sides=True)
+        return sides
+
     def _crash(self, site: Site, e: Exception) -> None:
         # isolated: the site's cells are recorded as crashed, the rest of the grid runs
         self.crashed.setdefault(site.index, error_line(e))
+
+
+def _capturing(op, invals, reference):
+    """A rule computing the reference and returning its operands as the site's side."""
+    return _ip.WithSide(reference(*invals), tuple(invals), lambda stacked: stacked)
 
 
 def _taps_at(sides: dict[int, Any], site_index, width: int) -> Taps:
