@@ -730,15 +730,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_FROZEN_AT_IMPORT = gc.get_freeze_count()   # not 0 on CPython 3.12: it freezes a few itself
+
+
 @contextlib.contextmanager
 def _heap_frozen():
     """Python's objects alive at entry frozen (`gc.freeze`) until exit, unless something froze
-    objects already: a full collection then scans only what the command made. jax, jaxlib and
-    their caches are ~230k objects, and one full pass over them (which a check's tracing
-    triggers about once) takes 0.13-0.17 s on this project's CPUs, an eighth of a kernel check
-    at a new shape. The CLI owns its process; `check_kernel` and the rest of the library leave
-    the caller's heap alone."""
-    mine = gc.get_freeze_count() == 0
+    objects since this module was imported: a full collection then scans only what the command
+    made. jax, jaxlib and their caches are ~230k objects, and one full pass over them (which a
+    check's tracing triggers about once) takes 0.13-0.17 s on this project's CPUs, an eighth of
+    a kernel check at a new shape. The CLI owns its process; `check_kernel` and the rest of the
+    library leave the caller's heap alone."""
+    mine = gc.get_freeze_count() <= _FROZEN_AT_IMPORT
     if mine:
         gc.freeze()
     try:

@@ -296,6 +296,7 @@ class _Run:
     progress: Optional[Callable[[int, int], None]]
     count: int = 0  # cells done: finished here, resumed, or another host's
     cells: dict[tuple[int, int], Cell] = dataclasses.field(default_factory=dict)
+    shadows: dict[int, Callable] = dataclasses.field(default_factory=dict)  # site -> float64 op
 
     def candidate(self, site: Site) -> str:
         return getattr(self.chosen[site.index], "name", "?")
@@ -506,7 +507,9 @@ class _Float64Judge:
                 raise PeatError("the site's operands are not read out inside a while loop or "
                                 "a branch")
             operands = jax.device_get(self._operands[site.index])
-            return _judged_in_float64(site, kernel, self.run.replay.eqns[site.index], operands,
+            if site.index not in self.run.shadows:   # compiled once per site and shape
+                self.run.shadows[site.index] = widened_eqn(self.run.replay.eqns[site.index])
+            return _judged_in_float64(site, kernel, self.run.shadows[site.index], operands,
                                       c, r)
         except Exception as e:  # noqa: BLE001 - the dtype bound's verdict stands, and says why
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
@@ -516,12 +519,12 @@ class _Float64Judge:
                 f"the site, {why})"))
 
 
-def _judged_in_float64(site: Site, kernel: Kernel, eqn, operands, c: np.ndarray,
+def _judged_in_float64(site: Site, kernel: Kernel, shadow: Callable, operands, c: np.ndarray,
                        r: np.ndarray) -> tuple[Signature, Diagnosis]:
     """(signature, diagnosis) of the site's candidate output `c` against the reference's `r`
-    with the float64 floors and, if it still fails, the float64 rules (see `_Float64Judge`)."""
+    with the float64 floors (`shadow`: the site's op in float64, `promote.widened_eqn`) and,
+    if it still fails, the float64 rules (see `_Float64Judge`)."""
     k = next(i for i, d in enumerate(site.out_dtypes) if jnp.issubdtype(d, jnp.floating))
-    shadow = widened_eqn(eqn)
     bits = formats.float_format(site.out_dtypes[k]).mantissa_bits
     rng = np.random.default_rng(site.index)
     with jax.enable_x64(True):
