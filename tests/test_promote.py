@@ -9,7 +9,7 @@ import pytest
 
 from peat_jax.errors import PeatError
 from peat_jax.kernels import pallas_matmul
-from peat_jax.promote import widened
+from peat_jax.promote import widened, widened_eqn
 
 DIMS = (((1,), (0,)), ((), ()))
 
@@ -95,3 +95,20 @@ def test_programs_whose_types_cannot_be_widened_are_refused(fn, primitive):
     with jax.enable_x64(True), pytest.raises(PeatError, match=f"cannot widen a program with "
                                                              f"'{primitive}"):
         widened(fn)(jnp.asarray(a), jnp.asarray(b))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_equation_of_a_program_is_evaluated_in_float64(dtype):
+    """A site's equation (here a dot_general pinned to float32 on narrower operands, and a
+    region-like jitted call around a tanh) evaluated on float64 operands returns the float64
+    result: what playback's float64 judgement of a site computes."""
+    a, b = _operands((6, 5), (5, 4))
+    closed = jax.make_jaxpr(lambda x, y: jax.jit(jnp.tanh)(jax.lax.dot_general(
+        x, y, DIMS, preferred_element_type=jnp.float32)))(a.astype(dtype), b.astype(dtype))
+    dot, call = closed.jaxpr.eqns
+    with jax.enable_x64(True):
+        (prod,) = widened_eqn(dot)(a, b)
+        (out,) = widened_eqn(call)(np.asarray(prod))
+    assert prod.dtype == out.dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(prod), a @ b, rtol=0, atol=1e-14)   # float32: ~1e-7
+    np.testing.assert_allclose(np.asarray(out), np.tanh(a @ b), rtol=0, atol=1e-14)
