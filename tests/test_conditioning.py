@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import peat_jax as peat
-from peat_jax.check import VARIANTS, perturb_inputs
+from peat_jax.check import VARIANTS, float64_evidence, perturb_inputs, perturbation_spread
 from peat_jax.kernels import references
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -276,3 +276,20 @@ def test_scaled_matmul_fails():
     d = peat.check_kernel(lambda x, y: (x @ y) * 1.001, jnp.dot, a, b, variants="example",
                           repeats=1)
     assert not d.passed and d.model == "wrong_scale", d.summary
+
+
+def test_perturbation_spread_is_the_moves_in_float64_and_zero_where_not_finite():
+    base = {"y": np.array([1.0, -2.0, np.inf, 3.0], np.float32)}
+    moved = {"y": np.array([1.5, -2.25, 1.0, np.nan])}
+    d = perturbation_spread(base, moved)["y"]
+    assert d.dtype == np.float64 and d.tolist() == [0.5, 0.25, 0.0, 0.0]
+
+
+def test_float64_evidence_reads_the_errors_against_the_float64_reference():
+    ref64 = np.array([1.0, -4.0, np.nan, 2.0])
+    cand = np.array([1.5, -4.0, np.nan, 2.0], np.float32)
+    ref = np.array([1.0, -4.25, np.nan, 2.0], np.float32)
+    f = float64_evidence(cand, ref, ref64, np.array([1.0 + 1e-12, -4.0, np.nan, 2.0]))
+    assert (f.dtype, f.error, f.reference_error, f.scale) == ("float32", 0.5, 0.25, 4.0)
+    assert 0 < f.error64 < 1e-11 and f.in_float64            # 1 + 1e-12 is beyond float32
+    assert not float64_evidence(cand, ref, ref64, cand.astype(np.float64)).in_float64

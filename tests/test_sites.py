@@ -190,3 +190,20 @@ def test_reduction_length_is_what_one_output_element_sums():
     k = {s.primitive: reduction_length(s) for s in peat.list_sites(f, a, b, x, w)}
     assert k["dot_general"] == 7 and k["reduce_sum"] == 3
     assert k["conv_general_dilated"] == 4 * 3 * 3 and k["tanh"] is None
+
+
+def test_trace_key_is_what_a_trace_depends_on():
+    """Equal for arguments a trace cannot tell apart (same structure, shapes, dtypes and weak
+    types, same static leaves); different when any of those differs; None when a static leaf
+    cannot be hashed."""
+    from peat_jax.sites import trace_key
+    x = jnp.ones((2, 3), jnp.float32)
+    base = trace_key(((x, 1.0), "mode"))
+    assert base == trace_key(((jnp.zeros((2, 3), jnp.float32), 2.0), "mode"))
+    assert base != trace_key(((jnp.ones((3, 2), jnp.float32), 1.0), "mode"))
+    assert base != trace_key(((jnp.ones((2, 3), jnp.bfloat16), 1.0), "mode"))
+    assert base != trace_key(((x, 1.0), "other"))
+    assert base != trace_key(((x, jnp.float32(1.0)), "mode"))      # weak type differs
+    assert base != trace_key({"a": x, "b": 1.0, "c": "mode"})
+    assert trace_key((x, ["unhashable"])) is not None               # a list is a pytree node
+    assert trace_key((x, {1, 2})) is None                           # a set leaf is unhashable
