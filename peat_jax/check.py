@@ -33,8 +33,8 @@ from peat_jax.promote import widened
 from peat_jax.sites import REDUCING_PRIMITIVES, list_sites, reduction_length, trace_key
 
 __all__ = ["CONDITIONING_PERTURBATIONS", "REFERENCE_SPREAD_FACTOR", "VARIANTS", "VJP_FORWARD",
-           "check_kernel", "float64_evidence", "make_variant", "perturb_inputs",
-           "perturbation_spread"]
+           "check_kernel", "conditioning_spread", "float64_evidence", "make_variant",
+           "perturb_inputs", "perturbation_spread"]
 
 VARIANTS: tuple[str, ...] = ("example", "large", "tiny", "near_overflow", "subnormal", "zeros",
                              "outliers", "odd_shape")
@@ -663,26 +663,45 @@ def perturbation_spread(base, moved) -> Any:
     return jax.tree.map(one, base, moved)
 
 
+def conditioning_spread(evaluate: Callable[[Any], Any], args, base, rng: np.random.Generator,
+                        mantissa_bits: int = 0) -> Any:
+    """The conditioning floor: per element of every float leaf of `base` (`evaluate` of `args`
+    in float64), the largest `perturbation_spread` of `evaluate` over
+    `CONDITIONING_PERTURBATIONS` random perturbations of `args` (`perturb_inputs`, at the last
+    bit of each leaf's dtype or of a format with `mantissa_bits`, whichever is finer), in the
+    outputs' units (float64 host arrays, the structure of `base`). `evaluate` takes host
+    float64 arrays and returns what `base` is; it runs under the caller's x64 setting."""
+    worst = None
+    for _ in range(CONDITIONING_PERTURBATIONS):
+        d = perturbation_spread(base, evaluate(perturb_inputs(args, rng, mantissa_bits)))
+        worst = d if worst is None else jax.tree.map(np.maximum, worst, d)
+    return worst
+
+
 def _conditioning(reference, run: _Run, ref64: dict[str, Any], seed: int) -> dict[str, Any]:
-    """{output: conditioning spread} for the outputs with a float64 reference: per element,
-    max over `CONDITIONING_PERTURBATIONS` random perturbations (`perturb_inputs`, at the last
-    bit of the inputs' dtype or of the finest output dtype, whichever is finer) of the float64
-    reference's move, output units. Gradients use the same cotangent. Empty when the perturbed
-    reference does not run in float64."""
+    """{output: conditioning spread} for the outputs with a float64 reference
+    (`conditioning_spread` of the float64 reference, at the last bit of the inputs' dtype or
+    of the finest output dtype, whichever is finer); gradients use the same cotangent. Empty
+    when the perturbed reference does not run in float64."""
     if not ref64:
         return {}
-    rng = np.random.default_rng(seed)
+
+    def evaluate(moved):
+        out, _ = _reference64(reference, run, moved)
+        if set(out) != set(ref64):
+            raise _NoFloat64
+        return out
+
     bits = max((float_format(_np(x).dtype).mantissa_bits
                 for x in jax.tree.leaves(run.reference) if _is_float_leaf(x)), default=0)
-    worst: dict[str, Any] = {}
-    for _ in range(CONDITIONING_PERTURBATIONS):
-        moved, _ = _reference64(reference, run, perturb_inputs(run.args, rng, bits))
-        if set(moved) != set(ref64):
-            return {}
-        for o, m in moved.items():
-            d = perturbation_spread(ref64[o], m)
-            worst[o] = d if o not in worst else jax.tree.map(np.maximum, worst[o], d)
-    return worst
+    try:
+        return conditioning_spread(evaluate, run.args, ref64, np.random.default_rng(seed), bits)
+    except _NoFloat64:
+        return {}
+
+
+class _NoFloat64(Exception):
+    """The perturbed reference did not run in float64 where the unperturbed one did."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -817,10 +836,14 @@ def _comparisons(pool: ThreadPoolExecutor, reference, reference64: Callable, run
     cond = _conditioning(reference64, run, ref64, seed) if opts.conditioning else {}
     k = None
     if ref64 and opts.reduction_length is None:
-        key = (trace_key((run.args, run.cotangent)), run.positions)
-        k = found.reductions[key] if key in found.reductions and key[0] is not None \
-            else _longest_reduction(reference, run)
-        found.reductions[key] = k
+        shapes = trace_key((run.args, run.cotangent))
+        if shapes is None:   # an unhashable static leaf: nothing to key a memo on
+            k = _longest_reduction(reference, run)
+        else:
+            key = (shapes, run.positions)
+            if key not in found.reductions:
+                found.reductions[key] = _longest_reduction(reference, run)
+            k = found.reductions[key]
     return [_Pending(run.variant, output, _submit(
         pool, _diagnose, run.candidate[output], gold, ref64.get(output), opts,
         conditioning=cond.get(output), reduction_length=k))

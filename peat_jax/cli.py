@@ -730,7 +730,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_FROZEN_AT_IMPORT = gc.get_freeze_count()   # not 0 on CPython 3.12: it freezes a few itself
+FROZEN_AT_IMPORT: int = gc.get_freeze_count()
+"""Objects frozen (`gc.get_freeze_count`) when this module was imported: not 0 on CPython 3.12,
+which freezes a few itself. More than this at a command's start means a caller froze its heap,
+and the command leaves it as it is."""
 
 
 @contextlib.contextmanager
@@ -741,7 +744,7 @@ def _heap_frozen():
     check's tracing triggers about once) takes 0.13-0.17 s on this project's CPUs, an eighth of
     a kernel check at a new shape. The CLI owns its process; `check_kernel` and the rest of the
     library leave the caller's heap alone."""
-    mine = gc.get_freeze_count() <= _FROZEN_AT_IMPORT
+    mine = gc.get_freeze_count() <= FROZEN_AT_IMPORT
     if mine:
         gc.freeze()
     try:

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import peat_jax as peat
-from peat_jax.check import VARIANTS, float64_evidence, perturb_inputs, perturbation_spread
+from peat_jax.check import (CONDITIONING_PERTURBATIONS, VARIANTS, conditioning_spread,
+                            float64_evidence, perturb_inputs, perturbation_spread)
 from peat_jax.kernels import references
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -283,6 +284,25 @@ def test_perturbation_spread_is_the_moves_in_float64_and_zero_where_not_finite()
     moved = {"y": np.array([1.5, -2.25, 1.0, np.nan])}
     d = perturbation_spread(base, moved)["y"]
     assert d.dtype == np.float64 and d.tolist() == [0.5, 0.25, 0.0, 0.0]
+
+
+def test_conditioning_spread_is_the_largest_move_over_the_perturbations():
+    x = np.array([1.0, -3.0, 0.0, 1e4], np.float32)
+    calls = []
+
+    def evaluate(moved):
+        calls.append(moved[0])
+        return {"y": moved[0] * 2.0}
+
+    base = {"y": x.astype(np.float64) * 2.0}
+    rng = np.random.default_rng(3)
+    spread = conditioning_spread(evaluate, [x], base, rng)["y"]
+    moves = [np.abs(m * 2.0 - base["y"]) for m in calls]
+    assert len(calls) == CONDITIONING_PERTURBATIONS
+    np.testing.assert_array_equal(spread, np.max(moves, axis=0))
+    # each move at most float32's unit roundoff of 2x, and zero stays zero
+    assert np.all(spread <= 2.0 ** -24 * np.abs(base["y"])) and spread[2] == 0.0
+    assert np.all(spread[[0, 1, 3]] > 0)
 
 
 def test_float64_evidence_reads_the_errors_against_the_float64_reference():

@@ -101,6 +101,39 @@ def test_a_cell_past_its_time_limit_is_recorded_and_the_rerun_goes_on(run):
     assert len(path.read_text().splitlines()) == 6
 
 
+def test_a_kernel_past_the_time_limit_in_its_float64_run_stops_the_campaign(run):
+    """A failing cell is judged again with the kernel run in float64: that run is the
+    candidate's code too, held to the same time limit. Its cell keeps the verdict against the
+    float64 floors, says why there is no float64 rule, and the campaign stops; the rerun goes
+    on from there."""
+    def slow_in_float64(a, b, **params):
+        out = jax.lax.dot_general(a, b, **params)
+        if out.shape != (10, 32):
+            return out
+        if out.dtype == jnp.float64:   # hangs only in its float64 run
+            def host(x):
+                time.sleep(8)
+                return np.asarray(x)
+
+            out = jax.pure_callback(host, jax.ShapeDtypeStruct(out.shape, out.dtype), out)
+        return out * 1.01
+
+    kernel = peat.Kernel("slow_in_float64", slow_in_float64)
+    with pytest.raises(CellTimeout, match=r"float64 run ran past the time limit of 3 s"):
+        playback(run, {"dot_general": kernel}, checkpoints=[20], name="slow64", cell_timeout=3)
+    path = run / "campaigns" / "slow64" / "results.jsonl"
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(r["site"], r["status"]) for r in recs] == [(5, "ok"), (6, "ok"), (16, "ok")]
+    local = recs[2]["local"]
+    assert not local["passed"] and local["model"] == "wrong_scale", local["summary"]
+    assert "conditioning_floor" in local["evidence"]            # the float64 floors were used
+    assert "past the time limit of 3 s" in local["evidence"]["no_float64_candidate"]
+    assert "no float64 rule" in local["summary"]
+    assert not list(path.parent.glob("*.running"))
+    res = playback(run, {"dot_general": kernel}, checkpoints=[20], name="slow64", cell_timeout=30)
+    assert res.summary() == {"cells": 6, "passed": 5, "failed": 1, "crashed": 0, "timeout": 0}
+
+
 def test_bad_cell_timeout_is_refused(run):
     with pytest.raises(peat.PeatError, match="cell_timeout must be a positive number"):
         playback(run, {"dot_general": peat.faults.scale(2.0)}, cell_timeout=0)

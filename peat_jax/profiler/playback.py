@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -28,8 +29,7 @@ import numpy as np
 
 from peat_jax import _jax, formats
 from peat_jax.analyzer import Signature, analyze
-from peat_jax.check import (CONDITIONING_PERTURBATIONS, float64_evidence, perturb_inputs,
-                            perturbation_spread)
+from peat_jax.check import CONDITIONING_PERTURBATIONS, conditioning_spread, float64_evidence
 from peat_jax.detector import Diagnosis, by_float64, detect
 from peat_jax.errors import PeatError
 from peat_jax.kernels.base import Kernel
@@ -327,10 +327,16 @@ def _play_checkpoint(run: _Run, c: int, todo: Sequence[Site], state, batch) -> f
         if s.index in crashed:
             run.finish(run.failed(c, s, "crashed", crashed[s.index]))
     groups = run.replay.groups([s for s in todo if s.index not in crashed])
-    judge = _Float64Judge(run, state, batch)
+    judge = _Float64Judge(run, c, state, batch)
     for group, outs in _outputs(run, c, groups, state, batch):
         for s in group:
             run.finish(_diagnosed(run, c, s, golden, outs, ref_spread, state, judge))
+            if judge.timed_out:
+                raise CellTimeout(
+                    f"cell {(c, s.index)} of campaign {run.campaign.name!r}: {judge.timed_out}. "
+                    "It is recorded with its verdict against the float64 floors; the kernel "
+                    "may still be running, so the campaign stopped here: run it again in a new "
+                    "process to go on with the other cells")
     run.campaign.clear_running()
     return spread
 
@@ -486,11 +492,14 @@ class _Float64Judge:
     float64 names what remains (`detector.by_float64`: ``unstable_algorithm``,
     ``approximation``). Kernels only (a modelled fault has no float64 run); sites that run once
     per step. The operands are read out on the first failing site of a checkpoint (one more
-    compiled program per campaign)."""
+    compiled program per campaign). The kernel's float64 run is the candidate's code: it is
+    held to the campaign's `cell_timeout` as its replay is, and past it `timed_out` says so
+    (the caller records the cell and stops the campaign)."""
 
-    def __init__(self, run: _Run, state, batch):
-        self.run, self.state, self.batch = run, state, batch
+    def __init__(self, run: _Run, checkpoint: int, state, batch):
+        self.run, self.checkpoint, self.state, self.batch = run, checkpoint, state, batch
         self._operands: Optional[dict] = None
+        self.timed_out = ""   # why the campaign must stop: a float64 run past the time limit
 
     def __call__(self, site: Site, c: np.ndarray, r: np.ndarray, sig: Signature,
                  local: Diagnosis) -> tuple[Signature, Diagnosis]:
@@ -510,7 +519,7 @@ class _Float64Judge:
             if site.index not in self.run.shadows:   # compiled once per site and shape
                 self.run.shadows[site.index] = widened_eqn(self.run.replay.eqns[site.index])
             return _judged_in_float64(site, kernel, self.run.shadows[site.index], operands,
-                                      c, r)
+                                      c, r, functools.partial(self._limited, site))
         except Exception as e:  # noqa: BLE001 - the dtype bound's verdict stands, and says why
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
             ev = {**local.evidence, "no_float64_reference": why}
@@ -519,11 +528,39 @@ class _Float64Judge:
                 f"the site, {why})"))
 
 
+    def _limited(self, site: Site, fn: Callable[[], Any]) -> Any:
+        """`fn()` (the kernel's float64 run at `site`) held to the campaign's `cell_timeout`
+        and marked running meanwhile (a process that dies in it leaves the cell "crashed");
+        `_KernelTimedOut` past the limit."""
+        run = self.run
+        if run.cell_timeout is None:
+            return fn()
+        died = "the process died while running the kernel in float64"
+        run.campaign.mark_running([run.failed(self.checkpoint, site, "crashed", died).to_record()])
+        try:
+            out = _with_time_limit(fn, run.cell_timeout)
+        finally:
+            run.campaign.clear_running()
+        if out is _TIMED_OUT:
+            self.timed_out = (f"the kernel's float64 run ran past the time limit of "
+                              f"{run.cell_timeout:g} s")
+            raise _KernelTimedOut(self.timed_out)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+
+class _KernelTimedOut(Exception):
+    """The kernel's float64 run at a site ran past the campaign's time limit."""
+
+
 def _judged_in_float64(site: Site, kernel: Kernel, shadow: Callable, operands, c: np.ndarray,
-                       r: np.ndarray) -> tuple[Signature, Diagnosis]:
+                       r: np.ndarray, limited: Callable[[Callable[[], Any]], Any] = lambda f: f()
+                       ) -> tuple[Signature, Diagnosis]:
     """(signature, diagnosis) of the site's candidate output `c` against the reference's `r`
     with the float64 floors (`shadow`: the site's op in float64, `promote.widened_eqn`) and,
-    if it still fails, the float64 rules (see `_Float64Judge`)."""
+    if it still fails, the float64 rules (see `_Float64Judge`). `limited(fn)` runs the
+    kernel's float64 run `fn` (under a time limit, in the campaign)."""
     k = next(i for i, d in enumerate(site.out_dtypes) if jnp.issubdtype(d, jnp.floating))
     bits = formats.float_format(site.out_dtypes[k]).mantissa_bits
     rng = np.random.default_rng(site.index)
@@ -533,17 +570,22 @@ def _judged_in_float64(site: Site, kernel: Kernel, shadow: Callable, operands, c
         ref64 = np.asarray(shadow(*x64)[k])
         if ref64.dtype != np.float64:
             raise PeatError(f"the site's op returns {ref64.dtype} on float64 operands")
-        spread = np.zeros_like(ref64)
-        for _ in range(CONDITIONING_PERTURBATIONS):
-            moved = shadow(*perturb_inputs(list(operands), rng, bits))[k]
-            spread = np.maximum(spread, perturbation_spread(ref64, np.asarray(moved)))
+        spread = conditioning_spread(lambda moved: np.asarray(shadow(*moved)[k]),
+                                     list(operands), ref64, rng, bits)
     sig = analyze(c, r, ref64, reduction_length=reduction_length(site), conditioning=spread)
     local = detect(sig)
     if local.passed:
         return sig, local
-    try:
+    def kernel64():   # x64 is set in the thread that runs it (jax's config is per thread)
         with jax.enable_x64(True), _callback_errors_unlogged():
-            cand64 = np.asarray(call_kernel(kernel, _widened_site(site), x64)[k])
+            return np.asarray(call_kernel(kernel, _widened_site(site), x64)[k])
+
+    try:
+        cand64 = limited(kernel64)
+    except _KernelTimedOut as e:   # the verdict against the float64 floors stands, and says why
+        return sig, dataclasses.replace(
+            local, evidence={**local.evidence, "no_float64_candidate": str(e)},
+            summary=f"{local.summary} (no float64 rule: {e})")
     except Exception:  # noqa: BLE001 - a kernel that cannot run in float64: no float64 rule
         return sig, local
     return sig, by_float64(local, float64_evidence(c, r, ref64, cand64))
