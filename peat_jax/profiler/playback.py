@@ -29,7 +29,7 @@ import numpy as np
 
 from peat_jax import _jax, formats
 from peat_jax.analyzer import Signature, analyze
-from peat_jax.check import CONDITIONING_PERTURBATIONS, conditioning_spread, float64_evidence
+from peat_jax.check import conditioning_spread, float64_evidence
 from peat_jax.detector import Diagnosis, by_float64, detect
 from peat_jax.errors import PeatError
 from peat_jax.kernels.base import Kernel
@@ -487,7 +487,7 @@ def _local(site: Site, taps: Taps, judge: Optional["_Float64Judge"] = None
 class _Float64Judge:
     """A failing site judged again as `check_kernel` judges a failing output: the site's op
     evaluated in float64 on the golden step's operands there (`promote.widened_eqn`) sets the
-    noise floor, its spread under `CONDITIONING_PERTURBATIONS` perturbations of the operands
+    noise floor, its spread under `check.CONDITIONING_PERTURBATIONS` perturbations of the operands
     at their last bit the conditioning floor, and the candidate run on the same operands in
     float64 names what remains (`detector.by_float64`: ``unstable_algorithm``,
     ``approximation``). Kernels only (a modelled fault has no float64 run); sites that run once
@@ -526,7 +526,6 @@ class _Float64Judge:
             return sig, dataclasses.replace(local, evidence=ev, summary=(
                 f"{local.summary} (judged against the dtype bound: no float64 evaluation of "
                 f"the site, {why})"))
-
 
     def _limited(self, site: Site, fn: Callable[[], Any]) -> Any:
         """`fn()` (the kernel's float64 run at `site`) held to the campaign's `cell_timeout`
@@ -576,6 +575,7 @@ def _judged_in_float64(site: Site, kernel: Kernel, shadow: Callable, operands, c
     local = detect(sig)
     if local.passed:
         return sig, local
+
     def kernel64():   # x64 is set in the thread that runs it (jax's config is per thread)
         with jax.enable_x64(True), _callback_errors_unlogged():
             return np.asarray(call_kernel(kernel, _widened_site(site), x64)[k])
