@@ -23,10 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax.analyzer import analyze
-from peat_jax.detector import (Diagnosis, Float64Evidence, bitwise_equal, by_float64, data_race,
+from peat_jax.detector import (Diagnosis, bitwise_equal, by_float64, data_race,
                                detect, narrowed, only_on_odd_shapes, severity)
 from peat_jax.errors import PeatError
 from peat_jax.formats import float_format, round_to_format
+from peat_jax.judge.conditioning import (CONDITIONING_PERTURBATIONS, conditioning_spread,
+                                         perturb_inputs, perturbation_spread)
+from peat_jax.judge.float64 import float64_evidence, max_difference
+from peat_jax.judge.rounding import ROUNDING_SAMPLES, rounding_samples
 from peat_jax.kernels.pallas.interpret import races_found, reset_interpret_state
 from peat_jax.precision import at_matmul_precision, matmul_precision
 from peat_jax.promote import widened
@@ -631,53 +635,6 @@ def _float64_reference(reference: "_Pinned", example_args) -> _Float64Reference:
         "tracing keep their dtype's rounding)"))
 
 
-CONDITIONING_PERTURBATIONS = 3
-"""Random input perturbations the conditioning floor is measured over."""
-
-
-def perturb_inputs(args, rng: np.random.Generator, mantissa_bits: int = 0):
-    """`args` in float64 with every float leaf x (of dtype d) moved to ``x * (1 + u * eps /
-    2)``, u uniform in [-1, 1] per element, eps the machine epsilon of d or, when finer, of a
-    format with `mantissa_bits` (the outputs' finest: a bfloat16-input, float32-output matmul
-    is perturbed at float32's last bit, the precision its result resolves): at most the unit
-    roundoff relative, so at most 1 ULP (half an ULP at the bottom of a binade); zeros stay
-    zero. Other leaves are kept. Returns host arrays (float64 for the float leaves)."""
-    def one(x):
-        if not _is_float_leaf(x):
-            return x
-        xn = _np(x)
-        half_eps = 2.0 ** -(max(float_format(xn.dtype).mantissa_bits, mantissa_bits) + 1)
-        u = rng.uniform(-1.0, 1.0, xn.shape)
-        return xn.astype(np.float64) * (1.0 + u * half_eps)
-    return jax.tree.map(one, args)
-
-
-def perturbation_spread(base, moved) -> Any:
-    """|moved - base| per element of every float leaf (float64; 0 where either is not
-    finite)."""
-    def one(b, m):
-        b, m = np.asarray(b, np.float64), np.asarray(m, np.float64)
-        with np.errstate(invalid="ignore", over="ignore"):
-            d = np.abs(m - b)
-        return np.where(np.isfinite(d), d, 0.0)
-    return jax.tree.map(one, base, moved)
-
-
-def conditioning_spread(evaluate: Callable[[Any], Any], args, base, rng: np.random.Generator,
-                        mantissa_bits: int = 0) -> Any:
-    """The conditioning floor: per element of every float leaf of `base` (`evaluate` of `args`
-    in float64), the largest `perturbation_spread` of `evaluate` over
-    `CONDITIONING_PERTURBATIONS` random perturbations of `args` (`perturb_inputs`, at the last
-    bit of each leaf's dtype or of a format with `mantissa_bits`, whichever is finer), in the
-    outputs' units (float64 host arrays, the structure of `base`). `evaluate` takes host
-    float64 arrays and returns what `base` is; it runs under the caller's x64 setting."""
-    worst = None
-    for _ in range(CONDITIONING_PERTURBATIONS):
-        d = perturbation_spread(base, evaluate(perturb_inputs(args, rng, mantissa_bits)))
-        worst = d if worst is None else jax.tree.map(np.maximum, worst, d)
-    return worst
-
-
 def _conditioning(reference, run: _Run, ref64: dict[str, Any], seed: int) -> dict[str, Any]:
     """{output: conditioning spread} for the outputs with a float64 reference
     (`conditioning_spread` of the float64 reference, at the last bit of the inputs' dtype or
@@ -758,7 +715,8 @@ def _forgive(candidate, golden, atol: Optional[float], rtol: Optional[float]):
 
 
 def _diagnose(cand, gold, ref64, opts: _Options, comparison: str = "golden",
-              conditioning=None, reduction_length: Optional[int] = None) -> Diagnosis:
+              conditioning=None, reduction_length: Optional[int] = None,
+              rounding=None) -> Diagnosis:
     """`detect(analyze(...))` of one output; `reduction_length` (with `ref64` only) is the K
     to use when the caller gave none (`_longest_reduction`). A repeat bitwise equal to the
     first run is ``exact`` without an analysis (as `detect` would say): a deterministic
@@ -770,7 +728,7 @@ def _diagnose(cand, gold, ref64, opts: _Options, comparison: str = "golden",
     if k is None and ref64 is not None:
         k = reduction_length
     sig = analyze(cand, gold, ref64, reduction_length=k, noise_factor=opts.noise_factor,
-                  comparison=comparison, conditioning=conditioning)
+                  comparison=comparison, conditioning=conditioning, rounding=rounding)
     return detect(sig, allow=opts.allow)
 
 
@@ -812,6 +770,8 @@ class _Found:
       why64: variant -> why it has no float64 reference (or only some outputs).
       reductions: `_longest_reduction` by the run's shapes (`sites.trace_key`): variants of
         one shape trace the reference's program once.
+      conditioning: variant -> {output: conditioning spread} (what `_comparisons` passed).
+      reduction: variant -> the K `_comparisons` passed (None: none).
     """
 
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -820,6 +780,8 @@ class _Found:
     refs64: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     why64: dict[str, str] = dataclasses.field(default_factory=dict)
     reductions: dict[Any, Optional[int]] = dataclasses.field(default_factory=dict)
+    conditioning: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    reduction: dict[str, Optional[int]] = dataclasses.field(default_factory=dict)
 
 
 def _comparisons(pool: ThreadPoolExecutor, reference, reference64: Callable, run: _Run,
@@ -844,10 +806,55 @@ def _comparisons(pool: ThreadPoolExecutor, reference, reference64: Callable, run
             if key not in found.reductions:
                 found.reductions[key] = _longest_reduction(reference, run)
             k = found.reductions[key]
+    found.conditioning[run.variant], found.reduction[run.variant] = cond, k
     return [_Pending(run.variant, output, _submit(
         pool, _diagnose, run.candidate[output], gold, ref64.get(output), opts,
         conditioning=cond.get(output), reduction_length=k))
         for output, gold in run.reference.items()]
+
+
+def _rounding_outputs(reference, run: _Run, seed: int) -> dict[str, Any]:
+    """{output: Monte Carlo samples} of the reference on the run's inputs (`judge.rounding`:
+    forward and, with gradients, backward under the run's cotangent), by output name."""
+    if not run.positions:
+        return {"forward": rounding_samples(reference, run.args, seed)}
+    both = VJP_FORWARD in run.reference
+    body = _jitted_vjp(reference, run.positions, both) if _is_jitted(reference) else \
+        _vjp_body(reference, run.positions, both)
+    o = rounding_samples(body, (run.args, run.cotangent), seed)
+    return _named(o if both else o._replace(forward=o.vjp_forward), run.positions, both)
+
+
+def _judged_by_rounding(checks: list[_Check], reference, found: _Found, opts: _Options,
+                        seed: int) -> tuple[list[_Check], dict[str, str]]:
+    """`checks` with each failing output that has a float64 reference judged again with the
+    rounding floor too (`judge.rounding`: `ROUNDING_SAMPLES` Monte Carlo evaluations of the
+    reference, once per variant with such an output, on the calling thread), and {variant: why}
+    where the reference could not be evaluated that way (the floors without it stand). A
+    passing check needs no rounding floor, so a correct kernel pays nothing for it."""
+    samples: dict[str, dict[str, Any]] = {}
+    why: dict[str, str] = {}
+    judged = []
+    for c in checks:
+        ref64 = found.refs64.get(c.variant, {})
+        if c.diagnosis.passed or c.output not in ref64 or c.variant in why:
+            judged.append(c)
+            continue
+        run = found.runs[c.variant]
+        if c.variant not in samples:
+            try:
+                samples[c.variant] = _rounding_outputs(reference, run, seed)
+            except Exception as e:  # noqa: BLE001 - the other floors stand; the verdict says why
+                first = (str(e).strip().splitlines() or [""])[0]
+                why[c.variant] = f"{type(e).__name__}: {first[:160]}"
+                judged.append(c)
+                continue
+        d = _diagnose(run.candidate[c.output], run.reference[c.output], ref64[c.output], opts,
+                      conditioning=found.conditioning.get(c.variant, {}).get(c.output),
+                      reduction_length=found.reduction.get(c.variant),
+                      rounding=samples[c.variant][c.output])
+        judged.append(_Check(c.variant, c.output, d))
+    return judged, why
 
 
 def _judged_by_float64(checks: list[_Check], candidate, runs: dict[str, _Run],
@@ -877,33 +884,6 @@ def _by_float64(c: _Check, run: _Run, ref64: dict[str, Any], cand64: dict[str, A
         return c
     f = float64_evidence(run.candidate[o], run.reference[o], ref64[o], cand64[o])
     return _Check(c.variant, o, by_float64(c.diagnosis, f, allow=opts.allow))
-
-
-def float64_evidence(candidate, reference, reference64, candidate64) -> Float64Evidence:
-    """What `detector.by_float64` reads about one output (arrays or pytrees of one structure):
-    the candidate's value, the reference's in the same dtype, the float64 reference's and the
-    candidate's run on the same inputs in float64. Errors are max |differences| in output
-    units; the scale is max |float64 reference| over its finite elements."""
-    leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(reference64)]
-    finite = [x[np.isfinite(x)] for x in leaves]
-    scale = max((float(np.abs(x).max()) for x in finite if x.size), default=0.0)
-    dtype = str(jnp.result_type(jax.tree.leaves(candidate)[0]))
-    return Float64Evidence(dtype=dtype, error=_max_difference(candidate, reference64),
-                           error64=_max_difference(candidate64, reference64), scale=scale,
-                           reference_error=_max_difference(reference, reference64),
-                           in_float64=_beyond_grid(candidate64, dtype))
-
-
-def _beyond_grid(tree, dtype: str) -> bool:
-    """Some finite value of `tree` is not representable in `dtype` (a float64 run that
-    computed beyond it)."""
-    for x in jax.tree.leaves(tree):
-        x = np.asarray(x, np.float64)
-        x = x[np.isfinite(x)]
-        with np.errstate(over="ignore"):
-            if np.any(x.astype(dtype).astype(np.float64) != x):
-                return True
-    return False
 
 
 def _repeat_checks(pool: ThreadPoolExecutor, candidate, run: _Run, repeats: int,
@@ -951,16 +931,16 @@ def _reference_spread(reference, run: _Run) -> dict[tuple[str, str], _Spread]:
     the largest difference over three runs' pairs."""
     first = run.reference
     second = _outputs_again(reference, run, "reference")
-    if not any(_max_difference(second[o], first[o]) > 0 for o in second):
+    if not any(max_difference(second[o], first[o]) > 0 for o in second):
         return {}
     third = _outputs_again(reference, run, "reference")
     spread = {}
     for o in second:
-        own = max(_max_difference(second[o], first[o]), _max_difference(third[o], first[o]),
-                  _max_difference(third[o], second[o]))
+        own = max(max_difference(second[o], first[o]), max_difference(third[o], first[o]),
+                  max_difference(third[o], second[o]))
         if own > 0:
             spread[(run.variant, o)] = _Spread(
-                reference=own, candidate=_max_difference(run.candidate[o], first[o]))
+                reference=own, candidate=max_difference(run.candidate[o], first[o]))
     return spread
 
 
@@ -1008,12 +988,12 @@ def _explained_by_format(checks: list[_Check], runs: dict[str, _Run],
                 c.output not in run.reference:
             out.append(c)
             continue
-        error = _max_difference(run.candidate[c.output], run.reference[c.output])
+        error = max_difference(run.candidate[c.output], run.reference[c.output])
         for fmt in formats:
             if (c.variant, fmt) not in emulated:
                 emulated[(c.variant, fmt)] = _outputs_again(
                     _with_inputs_rounded(reference, fmt), run, "reference")
-            own = _max_difference(emulated[(c.variant, fmt)][c.output], run.reference[c.output])
+            own = max_difference(emulated[(c.variant, fmt)][c.output], run.reference[c.output])
             if 0 < own and error <= REFERENCE_SPREAD_FACTOR * own:
                 out.append(_Check(c.variant, c.output, _format_explains(c.diagnosis, fmt, error,
                                                                         own)))
@@ -1054,7 +1034,8 @@ def _narrowest_formats(checks: Sequence[_Check]) -> tuple[str, ...]:
 
 def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
              spread: dict[tuple[str, str], _Spread], precision: str,
-             no_float64: dict[str, str], float64: _Float64Reference) -> Diagnosis:
+             no_float64: dict[str, str], float64: _Float64Reference,
+             no_rounding: Optional[dict[str, str]] = None) -> Diagnosis:
     """The worst check's diagnosis, its evidence extended with where it came from, every
     check's model, the skipped variants, the reference's matmul precision and its
     nondeterminism, the variants without a float64 reference (and why) and how the float64
@@ -1079,6 +1060,19 @@ def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
                  f"{len(no_float64)} of {len({c.variant for c in checks})} variants: the "
                  f"reference {next(iter(no_float64.values()))}"
                  + (f"; {float64.note}" if float64.note and not float64.widened else ""))
+    if no_rounding:
+        ev["no_rounding_floor"] = dict(no_rounding)
+        if not d.passed:
+            note += (f"; note: no rounding floor on {len(no_rounding)} variants: the reference "
+                     f"could not be evaluated under Monte Carlo arithmetic "
+                     f"({next(iter(no_rounding.values()))})")
+    rounded = _rounded(checks)
+    if rounded:
+        ev["rounding_checks"] = rounded
+        if d.passed:
+            note += (f"; {len(rounded)} checks pass within the rounding floor (the spread of "
+                     f"{ROUNDING_SAMPLES} correct roundings of the reference, Monte Carlo "
+                     "arithmetic) rather than the reference's own error")
     conditioned = _conditioned(checks)
     if conditioned:
         ev["conditioned_checks"] = conditioned
@@ -1100,29 +1094,18 @@ def _verdict(checks: Sequence[_Check], *, skipped: dict[str, str],
                      summary=d.summary + where + tail + note)
 
 
+def _rounded(checks: Sequence[_Check]) -> list[str]:
+    """The checks ("output on variant") judged with the rounding floor (they failed without
+    it)."""
+    return [f"{c.output} on {c.variant}" for c in checks
+            if c.diagnosis.evidence.get("rounding_floor") is not None]
+
+
 def _conditioned(checks: Sequence[_Check]) -> list[str]:
     """The passing checks ("output on variant") that the conditioning floor made pass: elements
     beyond the noise floor within it."""
     return [f"{c.output} on {c.variant}" for c in checks if c.diagnosis.passed and
             (c.diagnosis.evidence.get("conditioning_floor") or {}).get("decisive", 0) > 0]
-
-
-def _max_difference(a, b) -> float:
-    """max |a - b| over the float leaves of two pytrees (inf where the NaN patterns differ;
-    0.0 when they are bitwise equal)."""
-    worst = 0.0
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        if x.shape != y.shape:
-            return float("inf")
-        nan_x, nan_y = np.isnan(x), np.isnan(y)
-        if np.any(nan_x != nan_y):
-            return float("inf")
-        with np.errstate(invalid="ignore"):
-            d = np.where((x == y) | (nan_x & nan_y), 0.0, np.abs(x - y))
-        d = np.where(np.isnan(d), np.inf, d)  # inf vs -inf
-        worst = max(worst, float(d.max()) if d.size else 0.0)
-    return worst
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1256,12 +1239,13 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
         checks = [_Check(p.variant, p.output, p.diagnosis.result()) for p in pending]
     finally:
         pool.shutdown(cancel_futures=True)   # a raising candidate leaves analyses queued
+    checks, no_rounding = _judged_by_rounding(checks, reference, found, opts, seed)
     checks = _judged_by_float64(checks, candidate, found.runs, found.refs64, opts)
     checks = [_within_reference_spread(c, found.spread.get((c.variant, c.output)))
               for c in checks]
     checks = _explained_by_format(checks, found.runs, reference)
     return _verdict(checks, skipped=found.skipped, spread=found.spread, precision=precision,
-                    no_float64=found.why64, float64=float64)
+                    no_float64=found.why64, float64=float64, no_rounding=no_rounding)
 
 
 def _run_variants(pool, candidate, reference, reference64, example_args, names, positions,

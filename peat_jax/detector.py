@@ -479,8 +479,9 @@ def _permuted_layout(s: Signature) -> Optional[_Match]:
     """>= 2 significant elements and either (a) the candidate equals the golden with its last two
     axes swapped (within the floor), or (b) the sorted candidate equals the sorted golden within
     the floor, the sorted arrays differ bitwise in at most as many positions as elements are
-    mismatched, and >= 90% of the significant elements are off by >= 1/16 relative (values
-    moved, not perturbed)."""
+    mismatched, >= 90% of the significant elements are off by >= 1/16 relative, and the largest
+    error is >= 1/16 of the golden's rms (values moved, not perturbed: a permutation explains
+    errors that are large against the values, not values that already agree)."""
     c, p = s.counts, s.permutation
     if p is None or c.significant < 2:
         return None
@@ -491,6 +492,9 @@ def _permuted_layout(s: Signature) -> Optional[_Match]:
     if not p.is_permutation or p.sorted_differ is None or p.sorted_differ > c.mismatched:
         return None
     if s.errors.large_rel_significant < 0.9:
+        return None
+    rms = s.noise.rms_golden if s.noise is not None else 0.0
+    if not s.errors.max_abs >= rms / 16:
         return None
     ev = {"permutation": True, "sorted_differ": p.sorted_differ, "significant": c.significant}
     st = s.structure
@@ -611,8 +615,8 @@ def _wrong_scale(s: Signature) -> Optional[_Match]:
     if r.constant and abs(r.median - 1.0) > r.tolerance:
         ev = {"ratio": r.median, "spread": r.spread, "tolerance": r.tolerance, "n": r.n}
         return _Match(ev, 1.0 if r.spread <= 0.5 * r.tolerance else 0.8,
-                      f"the output is {_g(r.median)}x the golden (constant ratio, spread "
-                      f"{_g(r.spread)})")
+                      f"the output is {_apart(r.median, 1.0)[0]}x the golden (constant ratio, "
+                      f"spread {_g(r.spread)})")
     if r.rows_constant >= 0.9:
         ev = {"rows_constant": r.rows_constant, "tolerance": r.tolerance}
         return _Match(ev, r.rows_constant, f"each row is the golden times its own constant "
@@ -885,7 +889,7 @@ def by_float64(d: Diagnosis, f: Float64Evidence, *, allow: Iterable[str] = ()) -
         if m is None:
             continue
         allowed = model in frozenset(allow)
-        kept = ("leaf", "max_floor_ratio", "conditioning_floor")
+        kept = ("leaf", "max_floor_ratio", "conditioning_floor", "rounding_floor")
         ev = {**{k: v for k, v in d.evidence.items() if k in kept},
               **m.evidence, "rule": model}
         if allowed:
@@ -994,6 +998,9 @@ def _detect_leaf(s: Signature, allow: frozenset) -> Diagnosis:
         k = None if s.noise is None else s.noise.conditioning
         if k is not None:
             ev["conditioning_floor"] = dataclasses.asdict(k)
+        mc = None if s.noise is None else s.noise.rounding
+        if mc is not None:
+            ev["rounding_floor"] = dataclasses.asdict(mc)
         if s.path:
             ev["leaf"] = s.path
         if model in allow and model not in PASSING:

@@ -8,25 +8,42 @@ float64, inputs) with every float value, constant and literal widened to float64
 operation, a `preferred_element_type` that names a float made float64, and every cast to a float
 made a cast to float64: the program's arithmetic in float64, the reference's algorithm at a
 precision far above its own. Calls (`jit`, custom derivative calls, `checkpoint`) are inlined:
-differentiating the result differentiates the widened body. A program with a loop, a branch or a
-kernel (`scan`, `while`, `cond`, `pallas_call`, ...) or a bitcast is refused (`PeatError`): its
-typed bodies or bit patterns cannot be widened this way.
+differentiating the result differentiates the widened body; loops and branches (`scan`,
+`while`, `cond`) are rebuilt with `lax.scan`, `lax.while_loop` and `lax.switch` around widened
+bodies. A program with a kernel (`pallas_call`, `ffi_call`, ...) or a bitcast is refused
+(`PeatError`): a kernel's body or a bit pattern cannot be widened this way.
+
+`evaluate` is the same walk with a hook after every leaf equation: the rounding floor
+(`peat_jax.judge.rounding`) perturbs each result there (Monte Carlo arithmetic).
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from peat_jax import _jax
 from peat_jax.errors import PeatError
 
-__all__ = ["widened", "widened_eqn"]
+__all__ = ["Hook", "evaluate", "widened", "widened_eqn"]
 
 _REFUSED = frozenset({"bitcast_convert_type"})
+
+
+class Hook(Protocol):
+    """What `evaluate` calls after each leaf equation (not after a call, loop or branch, whose
+    bodies' equations it calls it for)."""
+
+    def __call__(self, eqn: Any, invals: Sequence[Any], outs: list) -> list:
+        """The outputs to use for `eqn` (float64 where they are floats), given its widened
+        operands and its widened outputs."""
+
+    def in_iteration(self, i: Any) -> "Hook":
+        """The hook for one iteration `i` (a traced int) of a loop body."""
 
 
 def _is_float(dtype) -> bool:
@@ -43,7 +60,10 @@ def _widen(x) -> Any:
     return jax.lax.convert_element_type(x, jnp.float64)
 
 
-def _eval(jaxpr, consts, args) -> list:
+def evaluate(jaxpr, consts, args, hook: Optional[Hook] = None) -> list:
+    """The outputs of `jaxpr` (open or closed) on `consts` and `args`, every float widened to
+    float64 (see the module docstring), with `hook` applied after every leaf equation. Call it
+    under ``jax.enable_x64(True)``, inside a trace or eagerly."""
     jaxpr = _jax.jaxpr_body(jaxpr)
     env: dict = {}
 
@@ -57,26 +77,80 @@ def _eval(jaxpr, consts, args) -> list:
     for eqn in jaxpr.eqns:
         invals = [_widen(read(v)) for v in eqn.invars]
         with _jax.eqn_context(eqn):
-            outs = _eqn(eqn, invals)
+            outs = _eqn(eqn, invals, hook)
         for v, x in zip(eqn.outvars, outs):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]
 
 
-def _eqn(eqn, invals) -> list:
+def _closed(body, hook: Optional[Hook]) -> Callable:
+    """A closed sub-jaxpr as a function of its operands, widened."""
+    consts = _jax.jaxpr_consts(body)
+    return lambda *ops: evaluate(body, consts, ops, hook)
+
+
+def _scan(eqn, invals, hook: Optional[Hook]) -> list:
+    sc = _jax.scan_layout(eqn)
+    consts = invals[:sc.num_consts]
+    carry = invals[sc.num_consts:sc.num_consts + sc.num_carry]
+    xs = invals[sc.num_consts + sc.num_carry:]
+    body = _jax.jaxpr_body(sc.jaxpr)
+    body_consts = _jax.jaxpr_consts(sc.jaxpr)
+
+    def step(c, x):
+        i, c = c[0], c[1:]
+        outs = evaluate(body, body_consts, [*consts, *c, *x],
+                        None if hook is None else hook.in_iteration(i))
+        return [i + 1, *outs[:sc.num_carry]], outs[sc.num_carry:]
+
+    carry_out, ys = lax.scan(step, [jnp.int32(0), *carry], xs, length=sc.length,
+                             reverse=sc.reverse)
+    return [*carry_out[1:], *ys]
+
+
+def _while(eqn, invals, hook: Optional[Hook]) -> list:
+    wl = _jax.while_layout(eqn)
+    cond_consts = invals[:wl.cond_nconsts]
+    body_consts = invals[wl.cond_nconsts:wl.cond_nconsts + wl.body_nconsts]
+    init = invals[wl.cond_nconsts + wl.body_nconsts:]
+    cond = _closed(wl.cond_jaxpr, None)
+
+    def body(c):
+        i, c = c[0], c[1:]
+        h = None if hook is None else hook.in_iteration(i)
+        return [i + 1, *_closed(wl.body_jaxpr, h)(*body_consts, *c)]
+
+    out = lax.while_loop(lambda c: cond(*cond_consts, *c[1:])[0], body, [jnp.int32(0), *init])
+    return out[1:]
+
+
+def _cond(eqn, invals, hook: Optional[Hook]) -> list:
+    branches = [_closed(b, hook) for b in _jax.cond_branches(eqn)]
+    return list(lax.switch(invals[0], branches, *invals[1:]))
+
+
+_CONTAINERS = {"scan": _scan, "while": _while, "cond": _cond}
+
+
+def _eqn(eqn, invals, hook: Optional[Hook] = None) -> list:
     name, params = eqn.primitive.name, eqn.params
     if name in _jax.INLINE_CALLS or name in _jax.REMAT:
         body = _jax.call_body(eqn) if name in _jax.INLINE_CALLS else _jax.remat_layout(eqn).jaxpr
         n_in = len(_jax.jaxpr_body(body).invars)
-        return _eval(body, _jax.jaxpr_consts(body), invals[len(invals) - n_in:])
+        return evaluate(body, _jax.jaxpr_consts(body), invals[len(invals) - n_in:], hook)
+    if name in _CONTAINERS:
+        return _CONTAINERS[name](eqn, invals, hook)
     if name in _REFUSED or _jax.sub_jaxprs(eqn):
         raise PeatError(f"cannot widen a program with {name!r} to float64")
     if name == "convert_element_type" and _is_float(params["new_dtype"]):
-        return [jax.lax.convert_element_type(invals[0], jnp.float64)]   # ints too
-    pref = params.get("preferred_element_type")
-    if pref is not None and _is_float(pref):
-        return _jax.bind(eqn, invals, preferred_element_type=jnp.dtype(jnp.float64))
-    return _jax.bind(eqn, invals)
+        outs = [jax.lax.convert_element_type(invals[0], jnp.float64)]   # ints too
+    else:
+        pref = params.get("preferred_element_type")
+        if pref is not None and _is_float(pref):
+            outs = _jax.bind(eqn, invals, preferred_element_type=jnp.dtype(jnp.float64))
+        else:
+            outs = _jax.bind(eqn, invals)
+    return outs if hook is None else hook(eqn, invals, outs)
 
 
 @functools.lru_cache(maxsize=16)
@@ -86,7 +160,7 @@ def widened(fn: Callable) -> Callable:
     one compiled program."""
     def shadow(*args):
         closed, out = jax.make_jaxpr(fn, return_shape=True)(*args)
-        flat = _eval(closed, _jax.jaxpr_consts(closed), jax.tree.leaves(args))
+        flat = evaluate(closed, _jax.jaxpr_consts(closed), jax.tree.leaves(args))
         return jax.tree.unflatten(jax.tree.structure(out), flat)
 
     shadow.__name__ = shadow.__qualname__ = \
@@ -97,8 +171,8 @@ def widened(fn: Callable) -> Callable:
 def widened_eqn(eqn) -> Callable:
     """One equation of a jaxpr (an op site's) as `widened` evaluates it: ``fn(*operands) ->
     list of outputs``, its floats, casts and float `preferred_element_type` widened to float64
-    and its calls inlined; jitted. Call it under ``jax.enable_x64(True)`` on float64 operands.
-    Raises `PeatError` on the equations `widened` refuses (loops, branches, kernels,
+    and its calls, loops and branches widened; jitted. Call it under ``jax.enable_x64(True)`` on
+    float64 operands. Raises `PeatError` on the equations `widened` refuses (kernels,
     bitcasts), when called."""
     def shadow(*operands):
         return _eqn(eqn, [_widen(x) for x in operands])

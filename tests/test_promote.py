@@ -83,13 +83,40 @@ def test_the_shadow_is_cached_by_function():
     assert widened(_pinned_dot) is widened(_pinned_dot)
 
 
+def _while_rows(a, b):
+    def body(c):
+        i, acc = c
+        return i + 1, acc + _pinned_dot(a[i][None], b)[0]
+    return jax.lax.while_loop(lambda c: c[0] < a.shape[0], body,
+                              (0, jnp.zeros(b.shape[1], jnp.float32)))[1]
+
+
+@pytest.mark.parametrize("fn,exact", [
+    (lambda a, b: jax.lax.map(lambda r: _pinned_dot(r[None], b)[0], a), lambda a, b: a @ b),
+    (_while_rows, lambda a, b: (a @ b).sum(0)),
+    (lambda a, b: jax.lax.cond(a[0, 0] > 0, lambda: _pinned_dot(a, b), lambda: -_pinned_dot(a, b)),
+     lambda a, b: np.sign(a[0, 0]) * (a @ b)),
+], ids=["scan", "while", "cond"])
+def test_loops_and_branches_are_widened_around_their_bodies(fn, exact):
+    """A scan, a while loop and a cond whose bodies pin float32 are rebuilt around widened
+    bodies: the result is the float64 one, and (but for the while loop, which jax does not
+    reverse-differentiate) it differentiates."""
+    a, b = _operands((8, 8), (8, 8))
+    with jax.enable_x64(True):
+        out = widened(fn)(jnp.asarray(a), jnp.asarray(b))
+        assert out.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(out), exact(a, b), rtol=1e-12, atol=1e-12)
+        if fn is not _while_rows:
+            g = jax.grad(lambda x: widened(fn)(x, jnp.asarray(b)).sum())(jnp.asarray(a))
+            assert g.dtype == jnp.float64
+
+
 @pytest.mark.parametrize("fn,primitive", [
-    (lambda a, b: jax.lax.map(lambda r: _pinned_dot(r[None], b)[0], a), "scan"),
     (lambda a, b: jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.int32), "bitcast"),
     (lambda a, b: pallas_matmul(8, 8, 8)(a.astype(jnp.float32), b.astype(jnp.float32),
                                          dimension_numbers=DIMS, precision=None,
                                          preferred_element_type=jnp.float32), "pallas_call"),
-], ids=["loop", "bitcast", "pallas"])
+], ids=["bitcast", "pallas"])
 def test_programs_whose_types_cannot_be_widened_are_refused(fn, primitive):
     a, b = _operands((8, 8), (8, 8))
     with jax.enable_x64(True), pytest.raises(PeatError, match=f"cannot widen a program with "

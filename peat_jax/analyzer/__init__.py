@@ -35,7 +35,7 @@ from peat_jax.analyzer.noise import (DEFAULT_NOISE_FACTOR, DEFAULT_REDUCTION_LEN
                                      DISTRIBUTION_ALLOWANCE, DISTRIBUTION_MIN_ELEMENTS,
                                      DTYPE_ULP_ALLOWANCE, FLOAT_DTYPES, NOISE_FREE_SHARE,
                                      REFERENCE_ULP_ALLOWANCE, ConditioningFloor, NoiseFloor,
-                                     dtype_noise_bound)
+                                     RoundingFloor, dtype_noise_bound)
 from peat_jax.analyzer.signature import (BLOCK_SIZES, DEFAULT_SAMPLE_SIZE, MAX_PERIOD, N_WORST,
                                          PERMUTATION_MAX_ELEMENTS, QUANTILES, Bits, BlockMatch,
                                          Counts, Errors, Permutation, Precision, Ratio, Signature,
@@ -65,6 +65,7 @@ __all__ = [
     "QUANTILES",
     "REFERENCE_ULP_ALLOWANCE",
     "Ratio",
+    "RoundingFloor",
     "Signature",
     "Structure",
     "WorstElement",

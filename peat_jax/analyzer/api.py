@@ -15,7 +15,8 @@ from peat_jax.analyzer.build import build_signature, nonfloat_signature
 from peat_jax.analyzer.contract import Options
 from peat_jax.analyzer.device import leaf_stats, nonfloat_stats, to_host
 from peat_jax.analyzer.noise import (DEFAULT_NOISE_FACTOR, DTYPE_ULP_ALLOWANCE,
-                                     REFERENCE_ULP_ALLOWANCE, analyzed_format, dtype_noise_bound)
+                                     REFERENCE_ULP_ALLOWANCE, analyzed_format, dtype_noise_bound,
+                                     rounding_floor)
 from peat_jax.analyzer.signature import BLOCK_SIZES, DEFAULT_SAMPLE_SIZE, Signature
 from peat_jax.errors import PeatError
 
@@ -25,7 +26,7 @@ __all__ = ["analyze"]
 def analyze(candidate, golden, reference64=None, *, reduction_length: Optional[int] = None,
             noise_factor: float = DEFAULT_NOISE_FACTOR, ulp_allowance: Optional[float] = None,
             comparison: str = "golden", sample_size: int = DEFAULT_SAMPLE_SIZE,
-            conditioning=None) -> Signature:
+            conditioning=None, rounding=None) -> Signature:
     """Statistics of `candidate` against `golden` (arrays or pytrees of the same structure).
 
     Args:
@@ -50,6 +51,12 @@ def analyze(candidate, golden, reference64=None, *, reduction_length: Optional[i
         perturbed at the last bit of their dtype (output units, >= 0). The floor becomes the
         larger of the noise floor and the conditioning floor (see `ConditioningFloor`);
         `peat.check_kernel` measures it.
+      rounding: optional Monte Carlo samples of the reference (needs `reference64`): the
+        golden's structure, each leaf with a leading axis of S samples (float64; see
+        `peat_jax.judge.rounding`). Their per-element spread around the float64 reference joins
+        the conditioning spread, and the distribution test compares the candidate with the
+        largest of the golden's and the samples' ULP-error quantiles (`RoundingFloor`,
+        ``signature.noise.rounding``).
 
     Returns:
       A `Signature` (for a pytree: the worst leaf's, with every leaf's in ``.leaves``).
@@ -61,17 +68,21 @@ def analyze(candidate, golden, reference64=None, *, reduction_length: Optional[i
     if conditioning is not None and reference64 is None:
         raise PeatError("conditioning needs reference64: the conditioning floor is measured "
                         "against the float64 reference")
+    if rounding is not None and reference64 is None:
+        raise PeatError("rounding needs reference64: the rounding floor is measured against "
+                        "the float64 reference")
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(candidate)
     g_leaves, g_def = jax.tree_util.tree_flatten(golden)
     if g_def != treedef:
         raise PeatError(f"candidate and golden have different structures: {treedef} vs {g_def}")
     r_leaves = _leaves_like("reference64", reference64, g_def, len(g_leaves))
     k_leaves = _leaves_like("conditioning", conditioning, g_def, len(g_leaves))
+    m_leaves = _leaves_like("rounding", rounding, g_def, len(g_leaves))
     if not g_leaves:
         raise PeatError("analyze needs at least one array")
     sigs = [_analyze_leaf(jax.tree_util.keystr(kp), c, g, r, k, reduction_length, noise_factor,
-                          ulp_allowance, comparison, sample_size)
-            for (kp, c), g, r, k in zip(path_leaves, g_leaves, r_leaves, k_leaves)]
+                          ulp_allowance, comparison, sample_size, m)
+            for (kp, c), g, r, k, m in zip(path_leaves, g_leaves, r_leaves, k_leaves, m_leaves)]
     if len(sigs) == 1 and not path_leaves[0][0]:
         return sigs[0]
     worst = max(sigs, key=_severity)
@@ -170,12 +181,29 @@ def _leaf_stats(device, options: Options, c, g, r, k, extent=None):
         return to_host(leaf_stats(c, g, r64, options, k64, extent))
 
 
+def _with_rounding(where: str, g, r, k, samples):
+    """(k, `RoundingFloor`): the conditioning spread `k` joined with the rounding spread of the
+    Monte Carlo `samples` (the larger per element), or `k` as it is (and None) without them."""
+    if samples is None:
+        return k, None
+    if np.shape(samples)[1:] != np.shape(g) or np.ndim(samples) != np.ndim(g) + 1:
+        raise PeatError(f"rounding{where} has shape {tuple(np.shape(samples))}, expected (S, "
+                        f"*{tuple(np.shape(g))}): S samples of the golden's shape")
+    spread, floor = rounding_floor(samples, r, jnp.result_type(g))
+    if k is not None:
+        spread = np.maximum(spread, np.nan_to_num(np.abs(np.asarray(k, np.float64)), nan=0.0,
+                                                  posinf=0.0))
+    return spread, floor
+
+
 def _analyze_leaf(path, c, g, r, k, reduction_length, noise_factor, ulp_allowance, comparison,
-                  sample_size) -> Signature:
-    _check_leaf(f" at {path}" if path else "", c, g, r, k)
+                  sample_size, samples=None) -> Signature:
+    where = f" at {path}" if path else ""
+    _check_leaf(where, c, g, r, k)
     g_dt = jnp.result_type(g)
     if not jnp.issubdtype(g_dt, jnp.floating):
         return _nonfloat_leaf(path, c, g, comparison)
+    k, rounding = _with_rounding(where, g, r, k, samples)
     if ulp_allowance is None:
         name = analyzed_format(g_dt).name
         ulp_allowance = DTYPE_ULP_ALLOWANCE[name] if r is None else REFERENCE_ULP_ALLOWANCE
@@ -196,4 +224,4 @@ def _analyze_leaf(path, c, g, r, k, reduction_length, noise_factor, ulp_allowanc
             None if k is None else pad(np.asarray(k, np.float64), bucket, 0.0),
             extent=(np.int32(bucket.rows), np.int32(bucket.cols))), bucket)
     return build_signature(path, tuple(np.shape(g)), g_dt, comparison, stats, options,
-                           reduction_length)
+                           reduction_length, rounding)

@@ -11,7 +11,7 @@ import numpy as np
 
 from peat_jax.analyzer.contract import LeafStats, Options, SampleStats, WorstStats, view2d
 from peat_jax.analyzer.noise import (DEFAULT_REDUCTION_LENGTH, DISTRIBUTION_MIN_ELEMENTS,
-                                     NOISE_FREE_SHARE, ConditioningFloor, NoiseFloor,
+                                     NOISE_FREE_SHARE, ConditioningFloor, NoiseFloor, RoundingFloor,
                                      analyzed_format, distribution_ok)
 from peat_jax.analyzer.signature import (QUANTILES, BlockMatch, Bits, Counts, Errors, MAX_PERIOD,
                                          Permutation, Precision, Ratio, Signature, Structure,
@@ -81,7 +81,8 @@ def _bits(sample: SampleStats, f: FloatFormat) -> Bits:
                         if int(k.both_nonzero) else 1.0))
 
 
-def _noise(stats: LeafStats, options: Options, reduction_length: Optional[int]) -> NoiseFloor:
+def _noise(stats: LeafStats, options: Options, reduction_length: Optional[int],
+           rounding: Optional[RoundingFloor] = None) -> NoiseFloor:
     sc, q = stats.scales, stats.sample.quantiles
     if sc.golden_max_abs_error is None:
         return NoiseFloor(
@@ -94,7 +95,9 @@ def _noise(stats: LeafStats, options: Options, reduction_length: Optional[int]) 
     ugq = {f"p{int(100 * p)}": float(v) for p, v in zip(_ULP_QUANTILES, q.golden_ulp)}
     dist_ok = None
     if int(stats.sample.counts.distribution) >= DISTRIBUTION_MIN_ELEMENTS:
-        dist_ok = distribution_ok(ucq, ugq, options.noise_factor)
+        yardstick = ugq if rounding is None else {
+            q: max(v, rounding.ulp_quantiles.get(q, 0.0)) for q, v in ugq.items()}
+        dist_ok = distribution_ok(ucq, yardstick, options.noise_factor)
     k = stats.conditioning
     conditioning = None if k is None else ConditioningFloor(
         max_spread=float(k.max_spread), max_ratio=float(k.max_ratio), dominant=int(k.dominant),
@@ -105,7 +108,7 @@ def _noise(stats: LeafStats, options: Options, reduction_length: Optional[int]) 
         golden_max_abs_error=float(sc.golden_max_abs_error),
         golden_max_ulp_error=float(sc.golden_max_ulp_error), golden_ulp_quantiles=ugq,
         candidate_ulp_quantiles=ucq, distribution_ok=dist_ok, rms_golden=float(sc.rms),
-        conditioning=conditioning)
+        conditioning=conditioning, rounding=rounding)
 
 
 def _ratio(stats: LeafStats) -> Ratio:
@@ -228,14 +231,16 @@ def _worst(w: WorstStats, counts: Counts, shape, f: FloatFormat) -> tuple[WorstE
 
 
 def build_signature(path: str, shape, dtype, comparison: str, stats: LeafStats, options: Options,
-                    reduction_length: Optional[int]) -> Signature:
-    """The `Signature` of a float leaf from its transferred `LeafStats` (host values)."""
+                    reduction_length: Optional[int],
+                    rounding: Optional[RoundingFloor] = None) -> Signature:
+    """The `Signature` of a float leaf from its transferred `LeafStats` (host values), with its
+    `RoundingFloor` where the caller measured one."""
     f = analyzed_format(dtype)
     counts = _counts(stats, int(math.prod(shape)))
     return Signature(
         path=path, shape=tuple(shape), dtype=f.name, comparison=comparison, counts=counts,
         errors=_errors(stats, counts.elements, options), bits=_bits(stats.sample, f),
-        noise=_noise(stats, options, reduction_length), ratio=_ratio(stats),
+        noise=_noise(stats, options, reduction_length, rounding), ratio=_ratio(stats),
         structure=_structure(stats, shape, options), precision=_precision(stats, counts, f),
         permutation=_permutation(stats), worst=_worst(stats.worst, counts, shape, f))
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
 
 from peat_jax.errors import PeatError
 from peat_jax.formats import FloatFormat, float_format
@@ -24,9 +26,11 @@ __all__ = [
     "NOISE_FREE_SHARE",
     "NoiseFloor",
     "REFERENCE_ULP_ALLOWANCE",
+    "RoundingFloor",
     "analyzed_format",
     "distribution_ok",
     "dtype_noise_bound",
+    "rounding_floor",
 ]
 
 FLOAT_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64")
@@ -159,6 +163,30 @@ class ConditioningFloor:
 
 
 @dataclasses.dataclass(frozen=True)
+class RoundingFloor:
+    """The rounding floor of a leaf: the spread of S correct roundings of the reference's
+    algorithm (Monte Carlo arithmetic on its float64 shadow, `peat_jax.judge.rounding`).
+
+    Its per-element spread R(i) (the largest |sample - float64 reference|, output units) joins
+    the conditioning spread: the floor at element i is ``F * max(E_loc(i), U90 * ulp(r_i),
+    K(i), R(i)) + a * ulp(r_i)``, and the `ConditioningFloor` record counts both. The
+    distribution test reads the samples too: the golden's ULP-error quantiles are replaced by
+    the largest of the golden's and each sample's (the candidate against the spread of S correct
+    roundings, not against one).
+
+    Attributes:
+      samples: S, the Monte Carlo evaluations.
+      max_spread: max R, output units.
+      ulp_quantiles: {q: ULPs} the largest over the samples of their ULP-error quantile q
+        (empty when no element is finite).
+    """
+
+    samples: int
+    max_spread: float
+    ulp_quantiles: Mapping[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
 class NoiseFloor:
     """How the per-element noise floor was set, and the golden's own error.
 
@@ -200,6 +228,7 @@ class NoiseFloor:
         without a reference or with fewer than `DISTRIBUTION_MIN_ELEMENTS` finite elements.
       rms_golden: root mean square of the finite golden values (sample), output units.
       conditioning: the `ConditioningFloor`, None when no conditioning spread was given.
+      rounding: the `RoundingFloor`, None when no rounding samples were given.
     """
 
     kind: str
@@ -214,3 +243,47 @@ class NoiseFloor:
     distribution_ok: Optional[bool]
     rms_golden: float
     conditioning: Optional[ConditioningFloor] = None
+    rounding: Optional[RoundingFloor] = None
+
+
+_ROUNDING_QUANTILE_ELEMENTS = 1 << 15
+"""Elements of a leaf the rounding samples' ULP quantiles read (at a fixed stride beyond)."""
+
+
+def rounding_floor(samples, reference64, dtype,
+                   quantiles: Sequence[float] = (0.5, 0.9, 0.99, 1.0)
+                   ) -> tuple[np.ndarray, RoundingFloor]:
+    """The rounding spread and `RoundingFloor` of one leaf from its Monte Carlo samples.
+
+    Args:
+      samples: (S, *shape) float64: S evaluations of the reference under Monte Carlo arithmetic
+        (`peat_jax.judge.rounding`).
+      reference64: the leaf's float64 reference.
+      dtype: the golden's dtype (the ULPs the quantiles are in).
+
+    Returns:
+      ``(R, floor)``: R the per-element max |sample - reference64| (float64, output units; 0
+      where either is not finite), and the record, whose quantiles are the largest over the
+      samples of each quantile of ``|sample - r| / ulp(r)`` (finite elements; leaves over
+      `_ROUNDING_QUANTILE_ELEMENTS` read at a fixed stride).
+    """
+    f = analyzed_format(dtype)
+    s = np.asarray(samples, np.float64)
+    r = np.asarray(reference64, np.float64)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        d = np.abs(s - r[None])
+        spread = np.where(np.isfinite(d), d, 0.0).max(axis=0)
+        flat_r, flat_d = r.reshape(-1), d.reshape(len(s), -1)
+        stride = max(1, flat_r.size // _ROUNDING_QUANTILE_ELEMENTS)
+        flat_r, flat_d = flat_r[::stride], flat_d[:, ::stride]
+        e = np.floor(np.log2(np.abs(flat_r)))
+        e = np.where(np.isfinite(e), e, f.min_exponent)
+        ulp = np.ldexp(1.0, (np.maximum(e, f.min_exponent) - f.mantissa_bits).astype(int))
+        u = flat_d / ulp[None]
+    ok = np.isfinite(u).all(axis=0)
+    qs = {}
+    if ok.any():
+        q = np.quantile(u[:, ok], quantiles, axis=1).max(axis=1)
+        qs = {f"p{int(100 * p)}": float(v) for p, v in zip(quantiles, q)}
+    return spread, RoundingFloor(samples=len(s), max_spread=float(spread.max(initial=0.0)),
+                                 ulp_quantiles=qs)

@@ -1,0 +1,176 @@
+"""The rounding floor: Monte Carlo arithmetic on the reference (`peat_jax.judge.rounding`), its
+place in `analyze` and in `check_kernel`'s verdict."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import peat_jax as peat
+from peat_jax.analyzer import RoundingFloor, analyze
+from peat_jax.errors import PeatError
+from peat_jax.judge import ROUNDING_SAMPLES, rounding_samples
+
+RNG = np.random.default_rng(0)
+A = RNG.standard_normal((24, 40)).astype(np.float32)
+B = RNG.standard_normal((40, 16)).astype(np.float32)
+
+
+def _float64(fn, *args):
+    with jax.enable_x64(True):
+        return np.asarray(fn(*[jnp.asarray(np.asarray(a, np.float64)) for a in args]))
+
+
+def _spread(samples, r64):
+    return np.abs(np.asarray(samples) - r64[None]).max(axis=0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_the_spread_of_a_matmul_is_the_size_of_its_own_rounding(dtype):
+    """S correct roundings of a matmul at the inputs' precision scatter around the float64
+    result by about the reference's own error: the same order of magnitude, per dtype."""
+    a, b = A.astype(dtype), B.astype(dtype)
+    samples = rounding_samples(jnp.matmul, (jnp.asarray(a), jnp.asarray(b)), seed=0)
+    assert samples.shape == (ROUNDING_SAMPLES, 24, 16) and samples.dtype == np.float64
+    r64 = _float64(jnp.matmul, a, b)
+    own = np.abs(np.asarray(jnp.matmul(a, b), np.float64) - r64).max()
+    spread = _spread(samples, r64).max()
+    assert 0.3 * own <= spread <= 30 * own, (spread, own)
+    # every sample is on the output dtype's grid, and the samples differ from each other
+    assert np.array_equal(samples, samples.astype(dtype).astype(np.float64))
+    assert len({s.tobytes() for s in samples}) == ROUNDING_SAMPLES
+
+
+def test_the_samples_are_fixed_by_the_seed():
+    args = (jnp.asarray(A), jnp.asarray(B))
+    first, again = (rounding_samples(jnp.matmul, args, seed=3) for _ in range(2))
+    other = rounding_samples(jnp.matmul, args, seed=4)
+    np.testing.assert_array_equal(first, again)
+    assert not np.array_equal(first, other)
+
+
+def test_data_movement_rounds_nothing():
+    """Transposes, reshapes, maxima and negations are exact: their spread is 0."""
+    def moved(x):
+        return -jnp.max(x.T.reshape(8, -1, 3), axis=1)
+
+    x = jnp.asarray(A)
+    samples = rounding_samples(moved, (x,), seed=0)
+    np.testing.assert_array_equal(_spread(samples, _float64(moved, A)), 0.0)
+
+
+def test_a_sum_that_cancels_has_a_floor_at_the_scale_of_its_terms():
+    """Rows of terms that cancel exactly sum to 0 in float64 and, here, in float32: the floor
+    of the reference's own error is 0 there. A correct sum in another order is not: the
+    rounding floor there is rounding at the scale of what was summed (a few ULPs of the terms),
+    not of the result."""
+    half = RNG.standard_normal((8, 16)).astype(np.float32)
+    x = np.concatenate([half, -half[:, ::-1]], axis=1)
+    r64 = _float64(lambda v: jnp.sum(v, axis=1), x)
+    np.testing.assert_array_equal(r64, 0.0)
+    samples = rounding_samples(lambda v: jnp.sum(v, axis=1), (jnp.asarray(x),), seed=0)
+    spread = _spread(samples, r64)
+    scale = np.sqrt((half.astype(np.float64) ** 2).sum(axis=1) * 2)
+    assert np.all(spread > 0.1 * 2.0 ** -24 * scale) and np.all(spread < 30 * 2.0 ** -24 * scale)
+
+
+def test_loops_are_sampled_with_fresh_perturbations_per_iteration():
+    """A scan (lax.map) over rows is walked: each iteration perturbed anew, so identical rows
+    come out differently rounded."""
+    row = A[:1]
+    x = jnp.asarray(np.repeat(row, 6, axis=0))
+
+    def per_row(v):
+        return jax.lax.map(lambda r: jnp.tanh(r) @ jnp.asarray(B), v)
+
+    samples = rounding_samples(per_row, (x,), seed=0)
+    assert samples.shape == (ROUNDING_SAMPLES, 6, 16)
+    assert len({s.tobytes() for s in samples[0]}) > 1
+
+
+def test_a_kernel_in_the_program_is_refused():
+    kernel = peat.kernels.pallas_matmul(8, 8, 8)
+
+    def with_kernel(a, b):
+        return kernel(a, b, dimension_numbers=(((1,), (0,)), ((), ())), precision=None,
+                      preferred_element_type=jnp.float32)
+
+    with pytest.raises(PeatError, match="cannot widen a program with 'pallas_call'"):
+        rounding_samples(with_kernel, (jnp.asarray(A[:8, :8]), jnp.asarray(B[:8, :8])), 0)
+
+
+def test_analyze_judges_against_the_spread_of_the_samples():
+    """An element whose error is within F times the samples' spread passes with the rounding
+    floor and fails without it; the signature records the floor."""
+    golden = np.zeros((8, 64), np.float32)
+    r64 = np.zeros((8, 64))
+    samples = np.zeros((ROUNDING_SAMPLES, 8, 64))
+    samples[:, 3, 5] = np.linspace(-1e-3, 1e-3, ROUNDING_SAMPLES)
+    candidate = golden.copy()
+    candidate[3, 5] = 2e-3        # 2x the spread: within F = 4 times it
+    without = analyze(candidate, golden, r64)
+    within = analyze(candidate, golden, r64, rounding=samples)
+    assert not peat.detect(without).passed
+    assert peat.detect(within).passed, peat.detect(within).summary
+    assert isinstance(within.noise.rounding, RoundingFloor)
+    assert within.noise.rounding.samples == ROUNDING_SAMPLES
+    assert within.noise.rounding.max_spread == pytest.approx(1e-3)
+    candidate[3, 5] = 8e-3        # 8x the spread
+    assert not peat.detect(analyze(candidate, golden, r64, rounding=samples)).passed
+    with pytest.raises(PeatError, match="rounding needs reference64"):
+        analyze(candidate, golden, rounding=samples)
+    with pytest.raises(PeatError, match=r"expected \(S, \*\(8, 64\)\)"):
+        analyze(candidate, golden, r64, rounding=samples[:, :4])
+
+
+def _masked_scores(q, k):
+    s = q @ k.T
+    return jnp.where(jnp.tril(jnp.ones(s.shape, bool)), s, -jnp.inf)
+
+
+def _attention(q, k, v):
+    return jax.nn.softmax(_masked_scores(q, k), axis=-1) @ v
+
+
+def _lse_attention(d_scale: float = 1.0):
+    """Causal attention with FlashAttention-2's backward: P recomputed from the log-sum-exp,
+    D = rowsum(dO * O), dS = P (dP - D); `d_scale` != 1 is a bug in D."""
+    @jax.custom_vjp
+    def attn(q, k, v):
+        return fwd(q, k, v)[0]
+
+    def fwd(q, k, v):
+        s = _masked_scores(q, k)
+        m = s.max(-1, keepdims=True)
+        p = jnp.exp(s - m)
+        denom = p.sum(-1, keepdims=True)
+        o = (p @ v) / denom
+        return o, (q, k, v, o, m + jnp.log(denom))
+
+    def bwd(res, do):
+        q, k, v, o, lse = res
+        p = jnp.exp(_masked_scores(q, k) - lse)
+        ds = p * (do @ v.T - jnp.sum(do * o, -1, keepdims=True) * d_scale)
+        return ds @ k, ds.T @ q, p.T @ do
+
+    attn.defvjp(fwd, bwd)
+    return jax.jit(attn)
+
+
+@pytest.mark.slow
+def test_an_lse_attention_backward_passes_and_a_bug_in_it_fails():
+    """Saturated causal rows (P one-hot) cancel exactly in dS = P (dP - D) in the reference:
+    its own error there is 0, and the lse-based backward's rounding of D is beyond that floor.
+    The rounding floor passes it; a 1.001x D fails."""
+    rng = np.random.default_rng(1)
+    q, k = ((rng.standard_normal((48, 16)) * 3).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((48, 16)).astype(np.float32)
+    variants = ("example", "outliers")
+    d = peat.check_kernel(_lse_attention(), jax.jit(_attention), q, k, v, variants=variants)
+    # dq and dk (the cancelling outputs) pass on every release; dv = P^T dO with P from the
+    # log-sum-exp can land just past the floor at large logits on some XLA releases
+    failing = d.evidence.get("failing_checks", [])
+    assert not [c for c in failing if c.startswith(("grad[0]", "grad[1]"))], d.summary
+    assert d.evidence.get("rounding_checks"), d.evidence   # the rounding floor was needed
+    bad = peat.check_kernel(_lse_attention(1.001), jax.jit(_attention), q, k, v,
+                            variants=variants)
+    assert not bad.passed, bad.summary
