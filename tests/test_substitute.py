@@ -47,7 +47,10 @@ def test_identity_and_backward_fault_in_every_framework(mlp_variants, mlp_data, 
     assert len(changed) == 1 and changed[0] != "[0]"
     w_ref = [x for x in jax.tree.leaves(ref[1]) if x.size == 128]
     w_got = [x for x in jax.tree.leaves(got[1]) if x.size == 128]
-    np.testing.assert_allclose(w_got[0], 2.0 * w_ref[0], rtol=1e-6)
+    # x2 exactly, but for XLA's fusion of the rest of the leaf's product (an element whose sum
+    # cancels may move by rounding at the leaf's scale)
+    np.testing.assert_allclose(w_got[0], 2.0 * w_ref[0], rtol=1e-6,
+                               atol=1e-6 * float(np.abs(w_ref[0]).max()))
 
 
 def test_empty_substitution_is_bitwise_identical_scan_remat_transformer(gpt):
@@ -228,7 +231,9 @@ def test_switched_sweep_compiles_once_and_matches_static_substitution(linen_mlp,
     golden = sw(-1, params, *mlp_data)
     plain = jax.jit(vg)(params, *mlp_data)
     for a, b in zip(jax.tree.leaves(golden), jax.tree.leaves(plain)):
-        np.testing.assert_allclose(a, b, rtol=1e-6)
+        # the switches change XLA's fusion: an element whose sum cancels moves by rounding at
+        # the leaf's scale
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max()))
     for i in sites:
         got = sw(i, params, *mlp_data)
         static = jax.jit(peat.substitute(vg, {i: fault}))(params, *mlp_data)
