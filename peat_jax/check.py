@@ -29,6 +29,7 @@ from peat_jax.errors import PeatError
 from peat_jax.formats import float_format, round_to_format
 from peat_jax.judge.conditioning import (CONDITIONING_PERTURBATIONS, conditioning_spread,
                                          perturb_inputs, perturbation_spread)
+from peat_jax.judge.conditioning import is_float_leaf as _is_float_leaf
 from peat_jax.judge.float64 import float64_evidence, max_difference
 from peat_jax.judge.rounding import ROUNDING_SAMPLES, rounding_samples
 from peat_jax.kernels.pallas.interpret import races_found, reset_interpret_state
@@ -48,14 +49,6 @@ VARIANTS: tuple[str, ...] = ("example", "large", "tiny", "near_overflow", "subno
 # ----------------------------------------------------------------------------------------------
 # Input variants (built in NumPy on the host: XLA:CPU would flush subnormals)
 # ----------------------------------------------------------------------------------------------
-
-def _is_float_leaf(x) -> bool:
-    try:
-        return jnp.issubdtype(jnp.result_type(x), jnp.floating) and np.ndim(x) >= 0 and \
-            hasattr(x, "shape")
-    except TypeError:
-        return False
-
 
 def _np(x) -> np.ndarray:
     """Host copy keeping the dtype (bfloat16 included, via ml_dtypes)."""

@@ -6,18 +6,20 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from peat_jax.formats import float_format
 
-__all__ = ["CONDITIONING_PERTURBATIONS", "conditioning_spread", "perturb_inputs",
-           "perturbation_spread"]
+__all__ = ["CONDITIONING_PERTURBATIONS", "conditioning_spread", "is_float_leaf",
+           "perturb_inputs", "perturbation_spread"]
 
 
-def _is_float_leaf(x) -> bool:
+def is_float_leaf(x) -> bool:
+    """`x` is an array (or array-like with a shape) of a float dtype, bfloat16 included."""
     try:
-        return np.issubdtype(np.result_type(x), np.floating) or \
-            np.result_type(x).name == "bfloat16"
+        return jnp.issubdtype(jnp.result_type(x), jnp.floating) and np.ndim(x) >= 0 and \
+            hasattr(x, "shape")
     except TypeError:
         return False
 
@@ -34,7 +36,7 @@ def perturb_inputs(args, rng: np.random.Generator, mantissa_bits: int = 0):
     roundoff relative, so at most 1 ULP (half an ULP at the bottom of a binade); zeros stay
     zero. Other leaves are kept. Returns host arrays (float64 for the float leaves)."""
     def one(x):
-        if not _is_float_leaf(x) or not hasattr(x, "shape"):
+        if not is_float_leaf(x):
             return x
         xn = np.asarray(jax.device_get(x))
         half_eps = 2.0 ** -(max(float_format(xn.dtype).mantissa_bits, mantissa_bits) + 1)
