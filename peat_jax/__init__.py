@@ -14,6 +14,7 @@ from peat_jax.detector import Diagnosis, detect
 from peat_jax.errors import PeatError
 from peat_jax.faults import Fault
 from peat_jax.kernels import Kernel
+from peat_jax.lowering import lowers_for
 from peat_jax.profiler import (GoldenRun, RuntimeResult, Workload, profile, register_workload,
                                registered_workloads)
 from peat_jax.profiler.compare import Comparison, RunComparison, compare, compare_runs
@@ -59,6 +60,7 @@ __all__ = [
     "inject",
     "kernels",
     "list_sites",
+    "lowers_for",
     "playback",
     "profile",
     "profiler",

@@ -41,6 +41,10 @@ __all__ = [
     "ffi_platform", "is_differentiating", "is_jaxpr", "is_tracer", "jaxpr_body", "jaxpr_consts",
     "live_processes", "name_stack", "pallas_interpreter", "remat_layout", "scan_layout",
     "shard_map", "shard_map_layout", "sub_jaxprs", "unsupported", "while_layout",
+    # lowering for a GPU this machine does not have
+    "gpu_target", "pallas_call_compiler_params", "pallas_call_interpreted", "pallas_call_name",
+    "pallas_calls", "pallas_default_gpu_backend", "target_device_matters",
+    "triton_compiler_params",
 ]
 
 JAX_VERSION: str = jax.__version__
@@ -388,3 +392,102 @@ def live_processes(count: int) -> set[int]:
     if client is None:
         return set(range(count))
     return {int(i) for i in client.get_live_nodes(list(range(count)))}
+
+
+# --------------------------------------------------------------------------------------------
+# Lowering for a GPU this machine does not have (peat_jax.lowering)
+#
+# Read in jax 0.10.2, 0.11.2 and 0.12.0.1 (`jax/_src/pallas/pallas_call.py`,
+# `jax/_src/pallas/triton/pallas_call_registration.py`, `.../triton/gpu_info.py`, `jax/_src/
+# stages.py`, `jax/_src/export/_export.py`):
+# - a `pallas_call` whose `compiler_params` is not Triton's lowers on "cuda" with Mosaic GPU on
+#   0.10.2 (which lacks `dot_general` and wants layout casts for `iota`) and is refused on "rocm";
+#   with `jax.experimental.pallas.triton.CompilerParams` (that name on all three) it lowers
+#   through Triton on both, to a `__gpu$xla.gpu.triton` custom call.
+# - 0.10.2's Triton lowering targets the local GPU or, with none, compute capability 9.0: the
+#   target device is not asked. 0.11.2 and 0.12.0.1 read it from the abstract mesh's
+#   `AbstractDevice(device_kind=...)` ("NVIDIA H200", "NVIDIA A100", "gfx90a", ...) and raise
+#   "No supported GPU devices found" without one.
+# - `jax.jit(f).trace(*specs).lower(lowering_platforms=(p,))` is what `jax.export.export` does
+#   (public `Traced.lower` keyword on all three) minus the serialisation checks. The abstract
+#   mesh is read when tracing (each equation keeps it in its context), not when lowering.
+# - 0.11.2 and 0.12.0.1 warn at every Triton kernel lowered: "The Pallas Triton backend is
+#   deprecated ... migrate to the Mosaic GPU backend" (a DeprecationWarning).
+
+def triton_compiler_params(num_warps: Optional[int] = None, num_stages: Optional[int] = None):
+    """Pallas' Triton compiler parameters (the class is `jax.experimental.pallas.triton.
+    CompilerParams` on 0.10.2-0.12; older releases called it `TritonCompilerParams`). None for
+    a field means Triton's default (4 warps; 3 stages on CUDA, 1 on ROCm)."""
+    from jax.experimental.pallas import triton as pltriton
+    cls = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams",
+                                                               None)
+    if cls is None:
+        raise unsupported("pallas_call", "jax.experimental.pallas.triton has no CompilerParams")
+    return cls(num_warps=num_warps, num_stages=num_stages)
+
+
+def target_device_matters() -> bool:
+    """True when this jax's Triton lowering asks which GPU it targets (0.11 and later); 0.10's
+    targets the local GPU or, with none, compute capability 9.0 (sm_90) whatever it is told."""
+    return _version_tuple(JAX_VERSION) >= (0, 11)
+
+
+@contextlib.contextmanager
+def gpu_target(device_kind: str) -> Iterator[None]:
+    """Lower as for a GPU of `device_kind` ("NVIDIA H200", "gfx90a", ...): a one-device abstract
+    mesh with that `AbstractDevice` (public in `jax.sharding` on all supported releases)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+    device = AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
+    with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
+        yield
+
+
+def pallas_calls(jaxpr: Any) -> Iterator[Any]:
+    """Every `pallas_call` equation in `jaxpr` and the jaxprs nested in its equations' params
+    (not inside a kernel body)."""
+    seen: set[int] = set()
+    todo = [jaxpr]
+    while todo:
+        j = jaxpr_body(todo.pop())
+        if id(j) in seen:
+            continue
+        seen.add(id(j))
+        for eqn in j.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn
+                continue
+            for v in eqn.params.values():
+                for item in (v if isinstance(v, (tuple, list)) else (v,)):
+                    if is_jaxpr(item):
+                        todo.append(item)
+
+
+def pallas_call_name(eqn) -> str:
+    """The kernel name of a `pallas_call` equation (its `name=`, else the body's name)."""
+    name = eqn.params.get("name")
+    if name:
+        return str(name)
+    body = eqn.params.get("jaxpr")
+    info = getattr(body, "debug_info", None)
+    return str(getattr(info, "func_name", None) or "pallas kernel")
+
+
+def pallas_call_interpreted(eqn) -> bool:
+    """True when a `pallas_call` equation runs in interpret mode (lowers to plain HLO, no GPU
+    kernel): its `interpret` param is True or an interpreter's params."""
+    return bool(eqn.params.get("interpret", False))
+
+
+def pallas_call_compiler_params(eqn) -> Any:
+    """The `compiler_params` of a `pallas_call` equation (None when it was given none)."""
+    return eqn.params.get("compiler_params")
+
+
+def pallas_default_gpu_backend() -> str:
+    """The backend that lowers a `pallas_call` without compiler parameters for a GPU:
+    "mosaic_gpu" on jax 0.10 (its `jax_pallas_use_mosaic_gpu` flag, on by default; ROCm
+    refused), "triton" from 0.11 (which has no such flag and lowers every `pallas_call` through
+    Triton, Mosaic GPU kernels being `plgpu.kernel`s)."""
+    from jax._src import config
+    flag = getattr(config, "jax_pallas_use_mosaic_gpu", None)
+    return "mosaic_gpu" if flag is not None and bool(flag.value) else "triton"

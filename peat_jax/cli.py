@@ -14,6 +14,7 @@
                --probability P) [--steps N]
   peat check KERNEL [--shapes 64x32,32x16] [--dtype float32] [--reference-precision P]
                                                a kernel against XLA
+  peat check KERNEL --lower cuda,rocm          does it lower (fwd and bwd) for those GPUs
   peat playback ... --cell-timeout S           campaign in a restartable worker process
   peat playback ... --coordinator HOST:PORT --num-processes N --process-id I
                                                process I of N on jax.distributed: its share of
@@ -393,7 +394,10 @@ def _supervise(args, cand, sel) -> int:
     """`peat playback --cell-timeout S`: the campaign in a worker process (this command with
     `--worker`), restarted by `peat_jax.profiler.supervisor` until the campaign is done; the
     last worker's output and exit status are the command's."""
-    camp = Campaign(path=RunDir(args.run_dir).campaign(args.name or campaign_name({sel: cand})))
+    procs = _processes(args)
+    share = {} if procs is None else {"host": procs.index, "hosts": procs.count}
+    camp = Campaign(path=RunDir(args.run_dir).campaign(args.name or campaign_name({sel: cand})),
+                    **share)
     worker = [sys.executable, "-m", "peat_jax", *args.argv, "--worker"]
     return supervisor.supervise(worker, camp, args.cell_timeout)
 
@@ -473,6 +477,11 @@ def cmd_check(args) -> int:
         def candidate(a, b):
             return kernel(a, b, **params)
 
+    if args.lower:
+        # lowering only: the kernel, forward and backward, built compiled for each GPU
+        fn = kernel if region else (lambda a, b: kernel(a, b, **params))
+        return _check_lowering(args, kernel.name, fn, xs)
+
     diag = peat.check_kernel(candidate, reference, *xs, allow=tuple(args.allow or ()),
                              reference_precision=args.reference_precision,
                              conditioning=args.conditioning)
@@ -484,6 +493,41 @@ def cmd_check(args) -> int:
         for k, v in diag.evidence.items():
             _say(args, f"  {k}: {_esc(v)}")
     return 0 if diag.passed else 1
+
+
+def _check_lowering(args, name: str, fn: Callable, xs) -> int:
+    """`peat check --lower`: one line per (platform, device), its forward and its VJP lowered
+    for that GPU on this machine; 1 when one failed."""
+    from peat_jax.lowering import lowers_for
+    results = lowers_for(fn, *xs, platforms=args.lower, grad=True, name=name)
+    by_target: dict[tuple[str, str], list] = {}
+    for r in results:
+        by_target.setdefault((r.platform, r.device), []).append(r)
+    ok = all(r.ok for r in results)
+    if args.json:
+        _print_json(args, {"kernel": name, "ok": ok, "jax": jax.__version__,
+                           "lowerings": [r.to_dict() for r in results]})
+        return 0 if ok else 1
+    console = _console()
+
+    def say(msg: str) -> None:   # one line per GPU however long jax's message
+        console.print(msg, soft_wrap=True)
+
+    for (platform, device), rs in by_target.items():
+        failed = [r for r in rs if not r.ok]
+        where = f"{platform} {_esc(device)}: {_esc(name)}"
+        if failed:
+            say(f"[red]{where} FAILED ({failed[0].phase}): {_esc(failed[0].error)}[/]")
+        else:
+            n = max(len(r.kernels) for r in rs)
+            say(f"[green]{where} lowers[/] ({' and '.join(r.phase for r in rs)}; {n} "
+                f"Pallas kernel{'' if n == 1 else 's'})")
+    for w in dict.fromkeys(w for r in results for w in r.warnings):
+        say(f"[yellow]jax warned: {_esc(w)}[/]")
+    if any(r.kernels for r in results) and not results[0].device_used:
+        say(f"(jax {jax.__version__} without a GPU lowers Triton kernels for compute "
+            "capability 9.0 whatever the device kind)")
+    return 0 if ok else 1
 
 
 def _diag_json(d) -> dict:
@@ -719,6 +763,10 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--no-conditioning", dest="conditioning", action="store_false",
                     help="the noise floor alone: no conditioning floor (the float64 reference "
                          "on inputs perturbed at 1 ULP)")
+    ck.add_argument("--lower", metavar="PLATFORMS",
+                    help="instead of checking, lower the kernel compiled (forward and backward) "
+                         "for these GPU platforms on this machine, e.g. cuda,rocm (an H200 and "
+                         "an A100; the MI250's gfx90a): one line per GPU, exit 1 when one fails")
     common(ck)
     ck.set_defaults(func=cmd_check)
 

@@ -133,8 +133,10 @@ def _is_dynamic(x) -> bool:
 
 def _flat_key(leaves: list, treedef) -> Optional[tuple]:
     mask = tuple(_is_dynamic(x) for x in leaves)
+    # the abstract mesh too: a trace re-evaluated enters the mesh it was made under, so a
+    # function lowered for two GPUs (peat.lowers_for) needs a trace per target
     key = (treedef, mask, tuple(jax.typeof(x) for x, d in zip(leaves, mask) if d),
-           tuple(x for x, d in zip(leaves, mask) if not d))
+           tuple(x for x, d in zip(leaves, mask) if not d), jax.sharding.get_abstract_mesh())
     try:
         hash(key)
     except TypeError:

@@ -13,10 +13,18 @@ block specs, so it can live inside a differentiated training step. Factories:
 All take `interpret=None` (interpret exactly when the default backend is the CPU) and the
 bundled ones `checks=` (the interpreter's race, uninitialised-memory and out-of-bounds checks;
 see `peat_jax.kernels.pallas.interpret`).
+
+Which backend runs where: on the CPU the Pallas interpreter (plain, or the checked one with
+`checks=`); on a GPU the bundled kernels are compiled through Triton, which they ask for
+explicitly (`jax.experimental.pallas.triton.CompilerParams`), on NVIDIA (CUDA) and AMD (ROCm)
+GPUs alike. Mosaic GPU is not used: on jax 0.10.2 it cannot lower these kernels (`dot_general`,
+unannotated `iota`) and it does not serve ROCm. jax's own kernels (`jax_pallas_*`) carry
+Triton's parameters themselves. `compiling()` builds `interpret=None` kernels compiled on any
+backend, which `peat.lowers_for` uses to lower them for a GPU on a CPU machine.
 """
 from peat_jax.kernels.pallas.attention import attention, pallas_attention
-from peat_jax.kernels.pallas.interpret import (InterpretChecks, call, interpret_mode, races_found,
-                                               reset_interpret_state)
+from peat_jax.kernels.pallas.interpret import (InterpretChecks, call, compiling, interpret_mode,
+                                               races_found, reset_interpret_state)
 from peat_jax.kernels.pallas.jax_ops import jax_pallas_layer_norm, jax_pallas_mha
 from peat_jax.kernels.pallas.layer_norm import flax_layer_norm, layer_norm, pallas_layer_norm
 from peat_jax.kernels.pallas.matmul import matmul, pallas_matmul
@@ -26,6 +34,7 @@ __all__ = [
     "InterpretChecks",
     "attention",
     "call",
+    "compiling",
     "flax_layer_norm",
     "interpret_mode",
     "jax_pallas_layer_norm",

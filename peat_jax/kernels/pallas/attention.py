@@ -11,6 +11,10 @@ kernels, one for dq (grid over query blocks, streaming keys twice: first `delta 
 dP)`, the softmax VJP's own sum, then dq) and one for dk/dv (grid over key blocks, streaming
 queries, reading delta). Sequence
 lengths are padded to the blocks and masked; the head dim is zero-padded to a power of two.
+
+Where it runs: the Pallas interpreter on the CPU; compiled through Triton (asked for explicitly,
+`jax.experimental.pallas.triton.CompilerParams`) on NVIDIA (CUDA) and AMD (ROCm) GPUs alike;
+`peat.lowers_for` checks on a CPU machine that it lowers for both.
 """
 from __future__ import annotations
 
@@ -341,7 +345,8 @@ def pallas_attention(causal: bool = False, *, sm_scale: Optional[float] = None,
       causal: query i attends to keys j <= i (equal lengths required).
       sm_scale: logits scale; None for `1/sqrt(head_dim)` (Flax's).
       block_q, block_k: query/key block sizes (powers of two).
-      interpret, checks: see `peat_jax.kernels.pallas.interpret`.
+      interpret, checks: see `peat_jax.kernels.pallas.interpret` (None: the interpreter on CPU,
+        compiled through Triton on a GPU, CUDA or ROCm).
       precision: the precision of every dot (q k^T, p v and the backward's), as for
         `pallas_matmul`: "highest" (default, full float32), "high" or "default" (Triton's
         default: TF32 on recent NVIDIA GPUs). On a GPU a full-float32 dot may need smaller

@@ -1,7 +1,16 @@
 """Where a Pallas candidate runs: compiled on GPU/TPU, interpreted on CPU, optionally with checks.
 
 `interpret=None` (the default of every bundled factory) means "interpret when
-`jax.default_backend() == "cpu"`, compile otherwise", decided when the kernel is traced.
+`jax.default_backend() == "cpu"`, compile otherwise", decided when the kernel is traced; inside
+`compiling()` (what `peat.lowers_for` uses to lower for a GPU on a CPU machine) it means
+"compile" whatever the backend.
+
+Compiled, every kernel built through `call` chooses its GPU backend explicitly: Triton
+(`jax.experimental.pallas.triton.CompilerParams`), on NVIDIA (CUDA) and AMD (ROCm) GPUs alike.
+Without compiler parameters jax 0.10.2 would lower a `pallas_call` for CUDA with Mosaic GPU,
+which cannot lower these kernels (no `dot_general`, layout casts wanted for `iota`), and it
+refuses ROCm; newer releases chose Triton by default. Interpreted (the CPU), the kernels carry no
+compiler parameters (the plain interpreter) or the checked interpreter's (`checks=`).
 
 `checks=` switches on the checks of the installed jax's Pallas interpreter
 (`jax.experimental.pallas.tpu.InterpretParams`, which also interprets plain `pl.BlockSpec`
@@ -25,6 +34,8 @@ TPU flavour rejects kernels that carry Triton compiler params, which is why jax'
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -36,8 +47,8 @@ from jax.experimental import pallas as pl
 from peat_jax import _jax
 from peat_jax.errors import PeatError
 
-__all__ = ["InterpretChecks", "Checks", "interpret_mode", "call", "races_found",
-           "reset_interpret_state"]
+__all__ = ["InterpretChecks", "Checks", "compiler_params", "compiling", "interpret_mode", "call",
+           "races_found", "reset_interpret_state"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,21 +124,64 @@ def validate_interpret(interpret: Optional[bool], checks: Checks) -> None:
                         "interpreter: pass interpret=None or True with checks")
 
 
+_COMPILING: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
+    "peat_pallas_compiling", default=None)
+
+
+@contextlib.contextmanager
+def compiling(platform: str = "cuda"):
+    """Within this context a kernel with `interpret=None` is built compiled (`interpret=False`)
+    for `platform` ("cuda", "rocm" or "tpu"), whatever the default backend: for lowering a
+    program for a GPU on a CPU machine (`peat.lowers_for`). The choice is made when a kernel is
+    traced, so it applies to what is traced inside. Kernels built with `interpret=True` or
+    `checks=` stay interpreted."""
+    token = _COMPILING.set(str(platform).lower())
+    try:
+        yield
+    finally:
+        _COMPILING.reset(token)
+
+
+def _target_platform() -> str:
+    """The platform a compiled kernel is built for: `compiling()`'s, else the default backend."""
+    return _COMPILING.get() or jax.default_backend()
+
+
 def interpret_mode(interpret: Optional[bool] = None, checks: Checks = None) -> Any:
     """The value for `pl.pallas_call(interpret=...)`.
 
     Returns:
       False (compile: GPU/TPU), True (the plain interpreter), or an `InterpretParams` (the
       interpreter with checks). `interpret=None` interprets exactly when the default backend
-      is the CPU.
+      is the CPU, and never inside `compiling()`.
     """
     validate_interpret(interpret, checks)
     chk = normalize_checks(checks)
     if chk is not None:
         return chk.params()
     if interpret is None:
-        return jax.default_backend() == "cpu"
+        return jax.default_backend() == "cpu" and _COMPILING.get() is None
     return bool(interpret)
+
+
+def compiler_params(mode: Any, chk: Optional[InterpretChecks] = None,
+                    dimension_semantics: Optional[Sequence[str]] = None) -> dict:
+    """The `compiler_params=` of a bundled kernel's `pallas_call` (as a keyword dict) for the
+    interpret `mode` that `interpret_mode` chose.
+
+    Compiled (`mode` False) for a GPU: Triton's, on NVIDIA (CUDA) and AMD (ROCm) alike; for a
+    TPU none (Mosaic TPU, jax's default there). With the checked interpreter: the TPU-style
+    params carrying `dimension_semantics` (where it looks for races). The plain interpreter:
+    none."""
+    if mode is False:
+        if _target_platform() == "tpu":
+            return {}
+        return {"compiler_params": _jax.triton_compiler_params()}
+    if chk is not None and dimension_semantics is not None:
+        from jax.experimental.pallas import tpu as pltpu
+        return {"compiler_params": pltpu.CompilerParams(
+            dimension_semantics=tuple(dimension_semantics))}
+    return {}
 
 
 def call(body: Callable, *, out_shape: Any, grid: Sequence[int], in_specs: Any, out_specs: Any,
@@ -140,8 +194,10 @@ def call(body: Callable, *, out_shape: Any, grid: Sequence[int], in_specs: Any, 
       dimension_semantics: per grid dimension `"parallel"` (grid points independent: split over
         cores under checks) or `"arbitrary"` (run in order). Only used by the checked
         interpreter (it is where races are looked for); the plain interpreter and Triton ignore it.
-      interpret: None (by backend), True or False.
+      interpret: None (by backend; compiled inside `compiling()`), True or False.
       checks: None/False, True (default `InterpretChecks`) or an `InterpretChecks`.
+
+    Compiled, the kernel lowers through Triton on CUDA and ROCm alike (see `compiler_params`).
 
     Returns:
       A function of the kernel's operands returning its outputs; with race detection on, a race
@@ -156,11 +212,7 @@ def call(body: Callable, *, out_shape: Any, grid: Sequence[int], in_specs: Any, 
 
     def run(*operands):
         mode = interpret_mode(interpret, chk)
-        extra = {}
-        if chk is not None and dimension_semantics is not None:
-            from jax.experimental.pallas import tpu as pltpu
-            extra["compiler_params"] = pltpu.CompilerParams(
-                dimension_semantics=tuple(dimension_semantics))
+        extra = compiler_params(mode, chk, dimension_semantics)
         fn = pl.pallas_call(body, out_shape=out_shape, grid=grid, in_specs=in_specs,
                             out_specs=out_specs, interpret=mode, name=name, **extra)
         out = fn(*operands)

@@ -5,6 +5,10 @@ bias)` region, and an adapter for Flax `nn.LayerNorm` regions.
 The forward kernel also writes each row's mean and reciprocal standard deviation, which the
 backward kernel uses to compute `dx` and per-block partial sums of `dscale`/`dbias`; the final
 sum of those partials over row blocks is one `jnp.sum`.
+
+Where it runs: the Pallas interpreter on the CPU; compiled through Triton (asked for explicitly,
+`jax.experimental.pallas.triton.CompilerParams`) on NVIDIA (CUDA) and AMD (ROCm) GPUs alike;
+`peat.lowers_for` checks on a CPU machine that it lowers for both.
 """
 from __future__ import annotations
 
@@ -192,7 +196,8 @@ def pallas_layer_norm(eps: float = 1e-6, *, block_rows: int = 16,
     Args:
       eps: added to the variance (1e-6 is Flax's `nn.LayerNorm` default).
       block_rows: rows per program (a power of two).
-      interpret, checks: see `peat_jax.kernels.pallas.interpret`.
+      interpret, checks: see `peat_jax.kernels.pallas.interpret` (None: the interpreter on CPU,
+        compiled through Triton on a GPU, CUDA or ROCm).
 
     Returns:
       A Kernel returning x's shape in the promoted dtype of (x, scale, bias); forward and

@@ -7,6 +7,10 @@ accumulating in float32. The `peat.kernels.dot_general` adapter maps any `dot_ge
 `preferred_element_type`. Shapes that are not multiples of the blocks are zero-padded by the
 wrapper. The backward pass is the same Pallas matmul on the transposed problems
 (`dA = G @ B^T`, `dB = A^T @ G`), via a `jax.custom_vjp`.
+
+Where it runs: the Pallas interpreter on the CPU; compiled through Triton (asked for explicitly,
+`jax.experimental.pallas.triton.CompilerParams`) on NVIDIA (CUDA) and AMD (ROCm) GPUs alike;
+`peat.lowers_for` checks on a CPU machine that it lowers for both.
 """
 from __future__ import annotations
 
@@ -132,7 +136,8 @@ def pallas_matmul(block_m: int = 32, block_n: int = 32, block_k: int = 32, *,
       block_m, block_n, block_k: block sizes (powers of two; 16 or more for GPU `dot`), each
         shrunk to the next power of two of a smaller dimension so that small operands are not
         padded up to a large block.
-      interpret: None (interpret on CPU, compile elsewhere), True or False.
+      interpret: None (the interpreter on CPU; compiled through Triton on a GPU, CUDA or ROCm,
+        and inside `peat.kernels.pallas.compiling()`), True or False.
       checks: interpreter checks (`True` or `peat.kernels.pallas.InterpretChecks`); see
         `peat_jax.kernels.pallas.interpret`.
       precision: the precision of the dots inside the kernel, forward and backward: "highest"

@@ -3,6 +3,10 @@
 The input is viewed as `[rows, n]`; a grid over blocks of `block_rows` rows, each program holding
 whole rows (padded to a power of two and masked). Statistics in float32. The backward pass is a
 second Pallas kernel, `dx = y * (g - sum(g * y))`, from the saved output `y`.
+
+Where it runs: the Pallas interpreter on the CPU; compiled through Triton (asked for explicitly,
+`jax.experimental.pallas.triton.CompilerParams`) on NVIDIA (CUDA) and AMD (ROCm) GPUs alike;
+`peat.lowers_for` checks on a CPU machine that it lowers for both.
 """
 from __future__ import annotations
 
@@ -142,7 +146,8 @@ def pallas_softmax(block_rows: int = 16, *, interpret: Optional[bool] = None,
 
     Args:
       block_rows: rows per program (a power of two).
-      interpret, checks: see `peat_jax.kernels.pallas.interpret`.
+      interpret, checks: see `peat_jax.kernels.pallas.interpret` (None: the interpreter on CPU,
+        compiled through Triton on a GPU, CUDA or ROCm).
 
     Returns:
       A Kernel whose output has x's shape and dtype (float32 statistics); forward and backward
