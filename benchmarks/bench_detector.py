@@ -13,10 +13,22 @@ playback_recall, playback_false_alarms, playback_unseen: every entry also replay
   inputs the step does not make).
 entries: per entry [kind, expected, diagnosed model, passed, seconds, playback models at the
   failing sites ([] : passes everywhere)].
-seconds: wall time of the whole run.
+third_party_*: the third-party corpus (tests/third_party: code nobody here wrote, from public
+  packages), every entry over seeds 0..4 through `check_kernel`: third_party_recall, the fraction
+  of the buggy (entry, seed) runs that fail; third_party_false_alarms, the correct entries that
+  fail on some seed (third_party_false_alarm_runs: the (entry, seed) runs that fail);
+  third_party_attribution, the fraction of the buggy runs whose bug the taxonomy names (an
+  expected model) named with it; third_party_flagged_correct, third_party_missed,
+  third_party_misnamed: the entries behind them; third_party_skipped: entries whose package is
+  not installed; third_party_seconds: its share of the wall time.
+seconds: wall time of the whole run; rounding_floor_seconds and rounding_floor_share: the time
+  spent computing rounding floors (`judge.rounding`: the Monte Carlo evaluations of the
+  reference, compile included) and its share of `seconds`.
 
 Prints one JSON object on one line. Runs with no arguments in a few minutes on 2 CPU cores;
-`--table PATH` also writes the Markdown table of docs/error_models.md ("The corpus").
+`--table PATH` also writes the Markdown table of docs/error_models.md ("The corpus");
+`--third-party-table PATH` the third-party verdicts (entry, seed, passed, model, summary);
+`--third-party-only` runs the third-party corpus alone (`--only NAME ...` some of its entries).
 """
 from __future__ import annotations
 
@@ -38,6 +50,7 @@ import peat_jax as peat  # noqa: E402
 from peat_jax.kernels import pallas as pk  # noqa: E402
 from corpus import ENTRIES  # noqa: E402
 from corpus.step import golden_run, play  # noqa: E402
+import third_party  # noqa: E402
 
 
 def run_entry(e) -> tuple[peat.Diagnosis, float]:
@@ -70,12 +83,120 @@ def table(rows, played) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_third_party(names=None, progress=False, table_path=None) -> tuple[list, list]:
+    """Every third-party entry (or those in `names`) over `third_party.SEEDS`: rows of (entry,
+    seed, Diagnosis, seconds), and the skipped entries with why (`progress`: a line per run on
+    stderr; `table_path`: the table rewritten after each entry)."""
+    rows, skipped = [], []
+    for e in third_party.ENTRIES:
+        if names and e.name not in names:
+            continue
+        why = third_party.missing(e)
+        if why:
+            skipped.append((e, why))
+            continue
+        for seed in third_party.SEEDS:
+            t = time.perf_counter()
+            d = third_party.check(e, seed)
+            rows.append((e, seed, d, time.perf_counter() - t))
+            if progress:
+                print(f"{e.name} seed {seed}: {rows[-1][3]:.1f} s, {d.summary[:160]}",
+                      file=sys.stderr, flush=True)
+        if table_path:
+            pathlib.Path(table_path).write_text(third_party_table(rows, skipped))
+    return rows, skipped
+
+
+def third_party_figures(rows, skipped) -> dict:
+    bugs = [(e, d) for e, _, d, _ in rows if e.kind == "bug"]
+    correct = [(e, d) for e, _, d, _ in rows if e.kind == "correct"]
+    named = [(e, d) for e, d in bugs if e.models]
+    return {
+        "third_party_bugs": len({e.name for e, _ in bugs}),
+        "third_party_correct": len({e.name for e, _ in correct}),
+        "third_party_seeds": len(third_party.SEEDS),
+        "third_party_recall": round(sum(not d.passed for _, d in bugs) / max(len(bugs), 1), 3),
+        "third_party_false_alarms": len({e.name for e, d in correct if not d.passed}),
+        "third_party_false_alarm_runs": sum(not d.passed for _, d in correct),
+        "third_party_attribution": round(sum(not d.passed and d.model in e.models
+                                             for e, d in named) / max(len(named), 1), 3),
+        "third_party_flagged_correct": sorted({e.name for e, d in correct if not d.passed}),
+        "third_party_missed": sorted({e.name for e, d in bugs if d.passed}),
+        "third_party_misnamed": sorted({e.name for e, d in named
+                                        if not d.passed and d.model not in e.models}),
+        "third_party_skipped": sorted(e.name for e, _ in skipped),
+        "third_party_seconds": round(sum(s for *_, s in rows), 1),
+    }
+
+
+def third_party_table(rows, skipped) -> str:
+    """The verdict of every (entry, seed) run, as Markdown."""
+    lines = ["| entry | package | kind | expected | seed | passed | model | ok | s | summary |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for e, seed, d, secs in rows:
+        expected = e.expected if isinstance(e.expected, str) else " or ".join(e.expected)
+        ok = "yes" if third_party.expectation_met(e, d) else "**NO**"
+        summary = d.summary.replace("|", "/")
+        lines.append(f"| `{e.name}` | {e.package} | {e.kind} | {expected} | {seed} | "
+                     f"{d.passed} | {d.model} | {ok} | {secs:.1f} | {summary} |")
+    for e, why in skipped:
+        lines.append(f"| `{e.name}` | {e.package} | {e.kind} | | | | skipped | | | {why} |")
+    return "\n".join(lines) + "\n"
+
+
+class _Timed:
+    """Wraps `check.rounding_samples` (what `check_kernel` calls for the rounding floor) and
+    adds up the seconds spent in it."""
+
+    def __init__(self):
+        import peat_jax.check as check
+        self.check, self.inner, self.seconds = check, check.rounding_samples, 0.0
+
+    def __enter__(self):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return self.inner(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+        self.check.rounding_samples = timed
+        return self
+
+    def __exit__(self, *exc):
+        self.check.rounding_samples = self.inner
+
+
+def _rounding_figures(timer: _Timed, seconds: float) -> dict:
+    return {"rounding_floor_seconds": round(timer.seconds, 1),
+            "rounding_floor_share": round(timer.seconds / seconds, 3) if seconds else 0.0,
+            "seconds": round(seconds, 1)}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--table", help="also write the corpus table (Markdown) to this path")
+    p.add_argument("--third-party-table", help="also write the third-party verdicts (Markdown)")
+    p.add_argument("--third-party-only", action="store_true",
+                   help="run the third-party corpus alone")
+    p.add_argument("--only", nargs="+", metavar="NAME", help="these third-party entries only")
+    p.add_argument("--progress", action="store_true",
+                   help="a line per third-party run on stderr")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
+    with _Timed() as timer:
+        out = _run(args, timer)
+    print(json.dumps(out))
+    return out
+
+
+def _run(args, timer: _Timed) -> dict:
     t0 = time.perf_counter()
+    tp_rows, tp_skipped = run_third_party(args.only, args.progress, args.third_party_table)
+    tp = third_party_figures(tp_rows, tp_skipped)
+    if args.third_party_table:
+        pathlib.Path(args.third_party_table).write_text(third_party_table(tp_rows, tp_skipped))
+    if args.third_party_only:
+        return {**tp, **_rounding_figures(timer, time.perf_counter() - t0)}
     rows, entries, played = [], {}, {}
     scratch = tempfile.TemporaryDirectory(prefix="peat-corpus-")
     run_dir = golden_run(pathlib.Path(scratch.name) / "run")
@@ -103,13 +224,13 @@ def main(argv=None) -> dict:
                                  / max(len(bugs), 1), 3),
         "playback_false_alarms": sum(played[e.name].failing > 0 for e, _ in correct),
         "playback_unseen": sorted(e.name for e, _ in bugs if not played[e.name].failing),
-        "seconds": round(time.perf_counter() - t0, 1),
+        **tp,
+        **_rounding_figures(timer, time.perf_counter() - t0),
         "entries": entries,
     }
     scratch.cleanup()
     if args.table:
         pathlib.Path(args.table).write_text(table(rows, played))
-    print(json.dumps(out))
     return out
 
 

@@ -161,6 +161,19 @@ def _float_positions(args) -> tuple[int, ...]:
                  if any(_is_float_leaf(x) for x in jax.tree_util.tree_leaves(a)))
 
 
+def _positions(args: tuple, backward: Union[bool, Sequence[int]]) -> tuple[int, ...]:
+    """The positions `check_kernel` differentiates (see its `backward`)."""
+    floats = _float_positions(args)
+    if isinstance(backward, (bool, np.bool_)):
+        return floats if backward else ()
+    wanted = tuple(int(i) for i in backward)
+    bad = [i for i in wanted if i not in floats]
+    if bad:
+        raise PeatError(f"backward={tuple(backward)!r}: argument(s) {bad} hold no floats to "
+                        f"differentiate; the float arguments are {list(floats)}")
+    return tuple(i for i in floats if i in wanted)
+
+
 def _has_float(tree) -> bool:
     return any(jnp.issubdtype(jnp.result_type(x), jnp.floating)
                for x in jax.tree_util.tree_leaves(tree))
@@ -1142,7 +1155,8 @@ def _variant_names(variants: Union[None, str, Sequence[str]]) -> tuple[str, ...]
 def check_kernel(candidate: Callable, reference: Callable, *example_args,
                  allow: Iterable[str] = (), repeats: int = 2,
                  variants: Union[None, str, Sequence[str]] = None, seed: int = 0,
-                 backward: bool = True, atol: Optional[float] = None,
+                 backward: Union[bool, Sequence[int]] = True,
+                 atol: Optional[float] = None,
                  rtol: Optional[float] = None, reduction_length: Optional[int] = None,
                  noise_factor: float = 4.0, reference_precision: Any = "highest",
                  conditioning: bool = True) -> Diagnosis:
@@ -1179,7 +1193,9 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
         A variant the candidate cannot run on is skipped when it is "odd_shape" (the kernel
         accepts only some shapes), an error otherwise.
       seed: seeds the variants and the cotangents.
-      backward: also compare gradients.
+      backward: also compare gradients: True for every positional argument holding floats,
+        or the positions to differentiate (``backward=(0,)`` for a loss of logits and labels:
+        data such as labels and masks is not differentiated in training); False: none.
       atol, rtol: NOT the main mechanism: candidate elements within ``atol + rtol * |golden|``
         are treated as equal to the golden before the analysis (an escape hatch for known,
         accepted differences).
@@ -1222,7 +1238,7 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     opts = _Options(allow=tuple(allow), atol=atol, rtol=rtol, reduction_length=reduction_length,
                     noise_factor=noise_factor, conditioning=bool(conditioning))
     example_args = _to_jax(tuple(example_args))
-    positions = _float_positions(example_args) if backward else ()
+    positions = _positions(example_args, backward)
     float64 = _float64_reference(reference, example_args)
     found = _Found()
     pool = ThreadPoolExecutor(_analysis_workers(), thread_name_prefix="peat-analyze")

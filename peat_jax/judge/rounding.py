@@ -26,6 +26,15 @@ and per equation from a fixed key:
 * data movement and selection (`EXACT`: reshape, gather, max, negation, ...) round nothing; a
   cast to a narrower float rounds at the narrower format's unit roundoff.
 
+The samples come in two kinds. In the first `OPERAND_SCALE_SAMPLES` an addition or subtraction
+rounds at the scale of its operands, as above (another association order); in the others it
+rounds only at the scale of its result, ``y * (1 + u * d)`` (its own rounding in this order). Both are
+correct implementations, and they differ where a result feeds a steep function: ``s - max(s)``
+of a softmax over logits of 1e18 moved by ``u |s|`` ~ 1e11 overflows ``exp`` and makes the
+sample non-finite, while the reference's own order computes it exactly (0 for the row's
+maximum). A non-finite element of a sample excuses nothing (the spread is over the finite ones,
+`analyzer.noise.rounding_floor`), so there the other half's spread stands.
+
 What it can excuse: any difference a correct implementation of the reference's algorithm in the
 same precision shows by computing in another order, with another accumulation tree, another
 libm, or fused multiply-adds; and another correct formula whose intermediate values round at
@@ -50,12 +59,17 @@ from peat_jax.formats import float_format
 from peat_jax.promote import evaluate
 from peat_jax.sites import trace_key
 
-__all__ = ["EXACT", "MonteCarlo", "ROUNDING_SAMPLES", "SUMMING", "TRANSCENDENTAL",
-           "monte_carlo", "rounding_samples"]
+__all__ = ["EXACT", "MonteCarlo", "OPERAND_SCALE_SAMPLES", "ROUNDING_SAMPLES", "SUMMING",
+           "TRANSCENDENTAL", "monte_carlo", "rounding_samples"]
 
-ROUNDING_SAMPLES = 6
-"""Monte Carlo arithmetic evaluations of the reference per check (CADNA uses 3; 6 puts the
-per-element maximum near 1.5 standard deviations of the rounding)."""
+ROUNDING_SAMPLES = 10
+"""Monte Carlo arithmetic evaluations of the reference per check: `OPERAND_SCALE_SAMPLES` with
+additions rounded at the scale of their operands, the rest at the scale of their result
+(CADNA uses 3 samples)."""
+
+OPERAND_SCALE_SAMPLES = 6
+"""Of the `ROUNDING_SAMPLES`, those whose additions round at the scale of their operands (6
+put the per-element maximum near 1.5 standard deviations of the rounding)."""
 
 EXACT = frozenset({
     "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
@@ -119,16 +133,21 @@ def _terms(eqn, invals) -> tuple[Any, int]:
     return sq, max(int(k), 1)
 
 
+_ADDITIONS = frozenset({"add", "sub", "add_any"})
+
+
 class _Perturb:
     """The `promote.Hook` of one Monte Carlo sample: perturbs every rounded result (see the
     module docstring) with uniforms drawn from `key`, one fold per equation."""
 
-    def __init__(self, key):
+    def __init__(self, key, operand_scale):
         self.key = key
+        self.operand_scale = operand_scale   # 1.0: additions round at their operands' scale
         self.count = 0
 
     def in_iteration(self, i) -> "_Perturb":
-        return _Perturb(jax.random.fold_in(self.key, 1_000_003 + self.count + 7919 * i))
+        return _Perturb(jax.random.fold_in(self.key, 1_000_003 + self.count + 7919 * i),
+                        self.operand_scale)
 
     def _uniform(self, shape):
         self.count += 1
@@ -153,8 +172,9 @@ class _Perturb:
             elif name in SUMMING and len(done) == 0:
                 sq, k = _terms(eqn, invals)
                 depth = math.sqrt(math.log2(k) + 1)
-                spread = jnp.abs(y) * self._uniform(y.shape) + \
-                    jnp.sqrt(sq) * self._uniform(y.shape)
+                terms = jnp.sqrt(sq) if name not in _ADDITIONS else \
+                    self.operand_scale * jnp.sqrt(sq)
+                spread = jnp.abs(y) * self._uniform(y.shape) + terms * self._uniform(y.shape)
                 # a term that is not finite leaves the result as it is (an infinite mask
                 # value, an overflow): rounding moves nothing there
                 done.append(y + jnp.where(jnp.isfinite(spread), u * depth * spread, 0.0))
@@ -191,7 +211,10 @@ def monte_carlo(fn: Callable, args: tuple) -> MonteCarlo:
     consts, shapes = _jax.jaxpr_consts(closed), jax.tree.leaves(out)
 
     def one(k, flat):
-        outs = evaluate(closed, consts, flat, _Perturb(k))
+        # the first OPERAND_SCALE_SAMPLES: additions at their operands' scale; then at their
+        # result's
+        scale = (k[1] < OPERAND_SCALE_SAMPLES).astype(jnp.float64)
+        outs = evaluate(closed, consts, flat, _Perturb(k, scale))
         return [x.astype(s.dtype).astype(jnp.float64) if _is_float(s) else x
                 for x, s in zip(outs, shapes)]
 

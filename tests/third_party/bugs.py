@@ -1,0 +1,118 @@
+"""Porting bugs people report, each a third-party function called the way the bug calls it, and
+checked against what the ported model computes: each must fail on every seed, with its error
+model where the taxonomy has one. The bugs are all in the forward pass, so the forward alone is
+checked (a failing check costs more than a passing one; CI runs this on 2 cores)."""
+from __future__ import annotations
+
+import jax
+
+import peat_jax as peat
+
+from . import Entry
+from . import references as ref
+from .correct import (_norm2, _padded_ce_args, _qkv_bhsd, _qkv_bshd, _rope_args, _torch_layer_norm,
+                      faj_causal_flash_attention, ROWS, N, PAD)
+from ._inputs import normal
+
+__all__ = ["ENTRIES"]
+
+
+@jax.jit
+def equinox_layer_norm_default_eps(x, scale, bias):
+    """`equinox.nn.LayerNorm(n)` with its default eps 1e-5, where the model is Flax's
+    (`nn.LayerNorm`, epsilon 1e-6)."""
+    from .correct import equinox_layer_norm
+    return equinox_layer_norm(x, scale, bias)
+
+
+@jax.jit
+def equinox_rope_for_interleaved(x):
+    """Equinox's rotary embedding (half-split) in a port of a model whose checkpoint was trained
+    with interleaved pairs (Meta's Llama, GPT-J), the weights not permuted."""
+    from .correct import equinox_rope
+    return equinox_rope(x)
+
+
+@jax.jit
+def flax_attention_no_mask(q, k, v):
+    """`flax.linen.dot_product_attention(q, k, v)` in a decoder: the causal mask forgotten."""
+    import flax.linen as nn
+    return nn.dot_product_attention(q, k, v)
+
+
+@jax.jit
+def flax_gelu_default(x):
+    """`flax.linen.gelu(x)` for torch's `F.gelu(x)`: Flax's default is the tanh approximation,
+    torch's the exact erf."""
+    import flax.linen as nn
+    return nn.gelu(x)
+
+
+@jax.jit
+def optax_ce_mean_over_padding(logits, labels):
+    """`optax.softmax_cross_entropy_with_integer_labels(...).mean()` over padded sequences: the
+    padding tokens are averaged in (no `where=`, no mask)."""
+    import optax
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _torch_sdpa_default(q, k, v):
+    import torch.nn.functional as F
+    return F.scaled_dot_product_attention(q, k, v)     # is_causal defaults to False
+
+
+def _torch_rope_interleaved(x):
+    from .correct import _torch_rope_interleaved as rope
+    return rope(x)
+
+
+torch_layer_norm_default_eps = peat.kernels.torch_kernel(_torch_layer_norm,
+                                                         name="torch_layer_norm_default_eps")
+torch_sdpa_no_causal = peat.kernels.torch_kernel(_torch_sdpa_default, name="torch_sdpa_default")
+torch_rope_for_half_split = peat.kernels.torch_kernel(_torch_rope_interleaved,
+                                                      name="rotary_embedding_torch")
+
+_FWD = dict(backward=False, variants=("example",))
+
+ENTRIES: tuple[Entry, ...] = (
+    Entry("torch_layer_norm_default_eps", "torch", "bug", torch_layer_norm_default_eps,
+          ref.layer_norm, _norm2, "fails",
+          "torch F.layer_norm's default eps 1e-5 in a port of a Flax model (epsilon 1e-6)",
+          needs=("torch",), model="wrong_scale", **_FWD),
+    Entry("equinox_layer_norm_default_eps", "equinox", "bug", equinox_layer_norm_default_eps,
+          ref.layer_norm, _norm2, "fails",
+          "equinox.nn.LayerNorm's default eps 1e-5 in a port of a Flax model (epsilon 1e-6)",
+          model="wrong_scale", **_FWD),
+    Entry("rope_interleaved_for_half_split", "rotary-embedding-torch", "bug",
+          torch_rope_for_half_split, ref.rope_half_split, _rope_args, "fails",
+          "lucidrains' interleaved rotary embedding where the model pairs i with i + d/2",
+          needs=("torch", "rotary_embedding_torch"), **_FWD),
+    Entry("rope_half_split_for_interleaved", "equinox", "bug", equinox_rope_for_interleaved,
+          ref.rope_interleaved, _rope_args, "fails",
+          "equinox's half-split rotary embedding where the checkpoint pairs 2i with 2i + 1",
+          **_FWD),
+    Entry("flax_attention_missing_causal_mask", "flax", "bug", flax_attention_no_mask,
+          ref.causal_attention_bshd, _qkv_bshd, "fails",
+          "flax.linen.dot_product_attention with the causal mask forgotten", **_FWD),
+    Entry("torch_sdpa_missing_is_causal", "torch", "bug", torch_sdpa_no_causal,
+          ref.causal_attention_bhsd, _qkv_bhsd, "fails",
+          "torch F.scaled_dot_product_attention without is_causal=True (its default False)",
+          needs=("torch",), **_FWD),
+    Entry("flax_gelu_tanh_for_exact", "flax", "bug", flax_gelu_default, ref.gelu_exact,
+          # named reduced_precision today (its error's size and spread look like inputs
+          # rounded to ~10 bits; the float64 rule cannot rule out a kernel casting to such a
+          # format): a failure, scored as a misattribution by bench_detector
+          lambda seed: (2 * normal(seed, 0, ROWS, N),), "fails",
+          "flax.linen.gelu (tanh approximation by default) for torch's exact F.gelu",
+          model="approximation", **_FWD),
+    Entry("optax_ce_mean_over_padding", "optax", "bug", optax_ce_mean_over_padding,
+          lambda logits, labels: ref.masked_cross_entropy(logits, labels, pad=PAD),
+          _padded_ce_args, "fails",
+          "optax cross-entropy .mean() over padded sequences: padding tokens averaged in",
+          **_FWD),
+    Entry("faj_causal_flash_attention_large_logits", "flash-attention-jax", "bug",
+          faj_causal_flash_attention, ref.causal_attention_bhsd, _qkv_bhsd, ("nan_inf",),
+          "lucidrains' causal FlashAttention at logits ~1e19 (past its MASK_VALUE -1e10 and "
+          "row-max init -1e6): NaN", backward=False, variants=("large",),
+          needs=("flash_attention_jax",)),
+)
