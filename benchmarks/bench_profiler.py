@@ -8,6 +8,11 @@ playback_speedup: time of the default playback campaign of a 20-step run (checkp
   cost (tracing and compiling the replay, ~5 s) weighs most. The analyzer's own compilations (one
   per distinct tensor shape, the same in both ways and paid once per process) are warmed up
   before either is timed. Goal >= 10 at >= 30 cells.
+playback_pseudo_share: of the default campaign's time, the share spent in the rounding
+  pseudo-errors its effects are judged against (`peat_jax.profiler.effect`: the golden step
+  replayed with a pseudo-error at a cell's site, only for cells whose step moved beyond the
+  dtype's rounding; timed around playback's `_pseudo_errors`), with `pseudo_samples` (the
+  replays it ran) and `cells_pseudo_sampled`; the recompiling baseline runs none.
 storage_ratio: bytes the campaign stored (its directory) over the bytes a dump of every site's
   operands and outputs at every replayed step would take (per-iteration tensors of sites inside
   `scan` counted once per iteration). Goal <= 0.01.
@@ -37,6 +42,7 @@ import peat_jax as peat
 from peat_jax import models
 from peat_jax.analyzer import analyze
 from peat_jax.detector import detect
+from peat_jax.profiler import playback as _playback
 from peat_jax.profiler.golden import profile, restore
 from peat_jax.profiler.playback import diagnose_effect, playback
 from peat_jax.profiler.rundir import RunDir
@@ -83,11 +89,34 @@ def stats_costs(name: str, steps: int = 10, reps: int = 30) -> dict:
             "stats_stored_bytes": stored, "stats_dump_bytes": dump}
 
 
+class _PseudoTimer:
+    """Times playback's rounding pseudo-errors (`_pseudo_errors`) while installed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._inner = _playback._pseudo_errors
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._inner(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def __enter__(self) -> "_PseudoTimer":
+        _playback._pseudo_errors = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _playback._pseudo_errors = self._inner
+
+
 def main() -> None:
     logging.getLogger("absl").setLevel(logging.ERROR)
     stats = stats_costs("language", steps=5, reps=20)
     vision = stats_costs("vision")
-    stats.update({f"{k}_vision": vision[k] for k in ("stats_overhead_ratio", "stats_storage_ratio")})
+    stats.update({f"{k}_vision": vision[k]
+                  for k in ("stats_overhead_ratio", "stats_storage_ratio")})
     wl = models.get("language")
     with tempfile.TemporaryDirectory() as tmp:
         run = pathlib.Path(tmp) / "run"
@@ -107,9 +136,11 @@ def main() -> None:
                        devices=jax.devices()[:1])
         t_one_34 = time.perf_counter() - t0
         t0 = time.perf_counter()
-        res = playback(run, {"dot_general": kernel}, name="bench",  # default: checkpoints 0, 10
-                       devices=jax.devices()[:1])
+        with _PseudoTimer() as pseudo:
+            res = playback(run, {"dot_general": kernel}, name="bench",  # checkpoints 0, 10
+                           devices=jax.devices()[:1])
         t_one = time.perf_counter() - t0
+        samples = [c.effect.pseudo_samples for c in res.cells if c.effect is not None]
         cells = res.records()
         t_re, t_re_34 = 0.0, 0.0
         for ckpt in sorted({r["checkpoint"] for r in cells}):
@@ -126,16 +157,21 @@ def main() -> None:
             t_re += dt
             if ckpt == 10:
                 t_re_34 = dt
-        stored = sum(p.stat().st_size for p in (run / "campaigns" / "bench").rglob("*") if p.is_file())
+        stored = sum(p.stat().st_size for p in (run / "campaigns" / "bench").rglob("*")
+                     if p.is_file())
         steps = len({r["checkpoint"] for r in cells})
-        dump = sum((_bytes(s.in_shapes, s.in_dtypes) + _bytes(s.out_shapes, s.out_dtypes)) * s.repeats
-                   for s in sites) * steps  # every site's tensors at every replayed step
+        dump = sum((_bytes(s.in_shapes, s.in_dtypes) + _bytes(s.out_shapes, s.out_dtypes))
+                   * s.repeats for s in sites) * steps  # every site's tensors at every step
     print(json.dumps({
         "playback_speedup": round(t_re / t_one, 2),
         "cells": len(cells),
         "playback_one_compile_s": round(t_one, 2),
         "playback_recompile_s": round(t_re, 2),
         "playback_speedup_one_checkpoint": round(t_re_34 / t_one_34, 2),
+        "playback_pseudo_share": round(pseudo.seconds / t_one, 3),
+        "playback_pseudo_s": round(pseudo.seconds, 2),
+        "pseudo_samples": sum(samples),
+        "cells_pseudo_sampled": sum(1 for n in samples if n),
         "cells_one_checkpoint": len(cells) // 2,
         "storage_ratio": round(stored / dump, 6),
         "stored_bytes": stored,

@@ -142,8 +142,9 @@ def test_resumed_cells_are_cells_with_diagnoses(run):
     again = playback(run, sub, checkpoints=[0], name="cells")
     for a, b in zip(first.cells, again.cells):
         assert isinstance(b.local, peat.Diagnosis) and b.site == a.site
-        assert (b.local.model, b.local.passed, b.effect.model) == (a.local.model, a.local.passed,
-                                                                   a.effect.model) == ("zeroed", False, b.effect.model)
+        got = (b.local.model, b.local.passed, b.effect.model)
+        assert got == (a.local.model, a.local.passed, a.effect.model)
+        assert got == ("zeroed", False, b.effect.model)
     assert again.records() == first.records()
 
 

@@ -6,10 +6,31 @@ its new params, or its new state where there is no ``params`` entry), leaf by le
 
   * change: a leaf's largest difference relative to its own scale, ``max|got - golden| /
     max|golden|``;
-  * noise: what the golden itself allows on that leaf, the larger of `ROUNDING_ULPS` ULPs of the
-    leaf's dtype (relative) and `REFERENCE_SPREAD_FACTOR` times the reference's own
-    run-to-run change (0 for a deterministic reference);
+  * noise: what the golden itself allows on that leaf, the largest of `ROUNDING_ULPS` ULPs of
+    the leaf's dtype (relative), `REFERENCE_SPREAD_FACTOR` times the reference's own
+    run-to-run change (0 for a deterministic reference) and `PSEUDO_FACTOR` times the
+    leaf's spread under a rounding pseudo-error at the same site (below);
   * a leaf *moved* when its change exceeds its noise; ``noise_ratio`` is change / noise.
+
+The rounding pseudo-error. On a deterministic backend the golden's own noise is 0, yet a
+correct kernel computed another way (another summation order, FMA, a 1-ULP transcendental)
+changes the step: Adam's normalisation turns a 1-ULP change of a near-zero gradient into a
+full-sized change of its update. What such a kernel may do to the step is measured, not
+assumed: the golden step is replayed (on the cell's own compiled executable, the sample number
+traced) with the site's reference output perturbed within its rounding floor, every float
+element ``x`` of every output made ``x + x * rho * d``: ``d`` uniform in [-1, 1) from a
+counter-based hash of the element's index and a seed per sample, site and output
+(`pseudo_seed`; a few integer operations per element, fused into the step, where a random
+key's generator would double the replay's compilation time), and ``rho =
+pseudo_error_size(site)`` = 2 u sqrt(K), ``u`` the unit roundoff of the output's dtype (so 2 u
+is one ULP at 1: a transcendental within an ULP) and ``K`` the length the op reduces (a
+matmul's contraction, a reduction's extent, a convolution's window; a region's last input
+axis; 1 for an element-wise op), since a reordered sum's rounding grows as sqrt(K) u (the
+probabilistic bound). A leaf's *spread* is its largest change (the measure above) over
+`PSEUDO_SAMPLES` such replays; the candidate's step is judged against `PSEUDO_FACTOR` times
+it. Samples run only for a cell whose step moved beyond the other noise, and stop as soon as
+the candidate's step is within the noise of the samples run so far (more samples only widen
+the spread, so the verdict is that of all of them).
 
 For a state leaf the golden's update ``u = golden - before`` and the candidate's ``v = got -
 before`` give how much the step's update changed (``||got - golden|| / ||u||``) and the least
@@ -35,15 +56,28 @@ from typing import Any, Callable, Mapping, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from peat_jax import formats, taxonomy
 from peat_jax.check import REFERENCE_SPREAD_FACTOR
 
-__all__ = ["FIT_TOLERANCE", "ROUNDING_ULPS", "Effect", "diagnose_effect", "effect_tree",
-           "reference_spread"]
+__all__ = ["FIT_TOLERANCE", "PSEUDO_FACTOR", "PSEUDO_SAMPLES", "PSEUDO_SEED", "ROUNDING_ULPS",
+           "Effect", "PseudoSpread", "diagnose_effect", "effect_tree", "moved_leaves",
+           "pseudo_error", "pseudo_error_size", "pseudo_seed", "reference_spread",
+           "step_changes"]
 
 ROUNDING_ULPS = 4.0
 """A leaf's change within this many ULPs of its dtype (relative to its scale) is rounding."""
+
+PSEUDO_SAMPLES = 3
+"""At most this many rounding pseudo-errors per cell (CADNA's three samples)."""
+
+PSEUDO_FACTOR = 4.0
+"""A leaf moved when its change exceeds this many times its spread under the rounding
+pseudo-error (the detector's factor F on its noise floor)."""
+
+PSEUDO_SEED = 0x5EA7
+"""The pseudo-errors' seeds start from this (`pseudo_seed`)."""
 
 FIT_TOLERANCE = 0.05
 """Relative tolerance of the update fits (``sign_reversed``, ``update_scaled``): the new state
@@ -69,6 +103,10 @@ class Effect:
       noise: that leaf's noise, relative to its scale like `change`.
       reference_spread: that leaf's run-to-run change between golden replays (0.0: the
         reference is deterministic).
+      pseudo_spread: that leaf's spread under the rounding pseudo-error at the site (its
+        largest change over `pseudo_samples` replays; 0.0 when none ran or none moved it).
+      pseudo_samples: rounding pseudo-errors replayed for the cell (0: the step moved
+        nothing beyond the other noise, so none was needed).
       update_change: for a state leaf, ``||got - golden|| / ||golden - before||`` (1.0: the
         step's update changed by as much as the update itself); None otherwise.
       update_factor: the common factor of the moved leaves' updates for ``update_scaled`` /
@@ -87,6 +125,8 @@ class Effect:
     change: float = 0.0
     noise: float = 0.0
     reference_spread: float = 0.0
+    pseudo_spread: float = 0.0
+    pseudo_samples: int = 0
     update_change: Optional[float] = None
     update_factor: Optional[float] = None
     loss: tuple[float, float] = (math.nan, math.nan)
@@ -107,7 +147,8 @@ class Effect:
             return self.model
         head = f"{self.model} x{self.update_factor:.3g}" if self.model == "update_scaled" \
             else self.model
-        where = self.nonfinite[0] if self.nonfinite else f"{self.leaf} {self.noise_ratio:.2g}x noise"
+        where = (self.nonfinite[0] if self.nonfinite
+                 else f"{self.leaf} {self.noise_ratio:.2g}x noise")
         loss = f"; loss {self.loss[0]:.4g} -> {self.loss[1]:.4g}" if self.loss[0] != self.loss[1] \
             else ""
         return f"{head}: {where}{loss}"
@@ -214,7 +255,115 @@ def reference_spread(replay: Callable[[], tuple], golden) -> Any:
     return jax.tree.map(max, first, rel(runs[1], g), rel(runs[1], runs[0]))
 
 
-def diagnose_effect(golden, got, ref_spread=None, before=None) -> Effect:
+def step_changes(golden, got) -> dict[str, tuple[float, bool]]:
+    """Per effect leaf (`effect_tree`) by path: ``(change, new non-finite)`` of the step `got`
+    against the step `golden` (each `(new state, metrics)`): the leaf's ``max|got - golden| /
+    max|golden|`` (inf where the non-finite pattern differs) and whether `got` has a
+    non-finite value where the golden's is finite."""
+    return {p: (float(v[0]), bool(v[1])) for p, v in
+            _named(_changes(effect_tree(*got[:2]), effect_tree(*golden[:2]))).items()}
+
+
+class PseudoSpread:
+    """A step's spread under rounding pseudo-errors at one site, gathered sample by sample.
+
+    Attributes:
+      spread: effect leaf path -> its largest finite change over the samples added (a leaf
+        a sample made non-finite is not excused by it: a candidate doing the same is
+        ``nan_inf``).
+      samples: samples added.
+      error: why the samples could not be run ("" when they could).
+    """
+
+    def __init__(self) -> None:
+        self.spread: dict[str, float] = {}
+        self.samples = 0
+        self.error = ""
+
+    def add(self, changes: Mapping[str, tuple[float, bool]]) -> None:
+        """Add one sample's `step_changes` against the golden step."""
+        for path, (change, _) in changes.items():
+            if math.isfinite(change):
+                self.spread[path] = max(self.spread.get(path, 0.0), change)
+        self.samples += 1
+
+
+def pseudo_error_size(site) -> float:
+    """``rho``: the largest relative change the rounding pseudo-error makes to an element of
+    the output of `site` (`peat.Site`), ``2 u sqrt(K)``: ``u`` the unit roundoff of the site's
+    first float output dtype and ``K`` the length the op reduces (`sites.reduction_length`;
+    a composite site's first input's last axis; 1 otherwise). See the module's docstring."""
+    from peat_jax.sites import reduction_length
+    dtype = next((d for d in site.out_dtypes if jnp.issubdtype(d, jnp.inexact)), jnp.float32)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        dtype = jnp.finfo(dtype).dtype
+    k = reduction_length(site) if not site.composite else (
+        site.in_shapes[0][-1] if site.in_shapes and site.in_shapes[0] else None)
+    return formats.float_format(dtype).eps * math.sqrt(max(int(k or 1), 1))
+
+
+def _mix(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser (uint32 in, uint32 out; jittable)."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def pseudo_seed(sample, site_index, output=0) -> jax.Array:
+    """The uint32 seed of rounding pseudo-error number `sample` at output `output` of site
+    `site_index` (each may be traced): `PSEUDO_SEED`, `sample`, `site_index` and `output`
+    mixed in turn by MurmurHash3's finaliser."""
+    h = jnp.uint32(PSEUDO_SEED)
+    for v in (sample, site_index, output):
+        h = _mix(h ^ jnp.asarray(v).astype(jnp.uint32))
+    return h
+
+
+def pseudo_error(x: jax.Array, seed, rho: float) -> jax.Array:
+    """`x` with each element moved within its rounding floor: ``x + x * rho * d``, ``d``
+    uniform in [-1, 1) (on a grid of 2^-23) from the hash of the element's flat index and the
+    uint32 `seed` (`pseudo_seed`); computed in at least float32 and rounded back to `x`'s
+    dtype; a non-finite element (``inf + inf * d`` would be NaN for d < 0) and a non-float
+    `x` are left as they are. Jittable; a few integer operations per element."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
+        return x
+    ft = jnp.promote_types(x.dtype, jnp.float32)
+    i = lax.iota(jnp.uint32, x.size).reshape(x.shape)
+    h = _mix(i * jnp.uint32(0x9E3779B1) ^ jnp.asarray(seed).astype(jnp.uint32))
+    d = (h >> 8).astype(ft) * jnp.asarray(2.0 ** -23, ft) - jnp.asarray(1.0, ft)
+    xf = x.astype(ft)
+    return jnp.where(jnp.isfinite(xf), xf + xf * (jnp.asarray(rho, ft) * d), xf).astype(x.dtype)
+
+
+def _noise(eps: Mapping[str, float], spreads: Mapping[str, float],
+           pseudo: Optional[PseudoSpread]) -> dict[str, float]:
+    got = pseudo.spread if pseudo is not None else {}
+    return {p: max(REFERENCE_SPREAD_FACTOR * spreads.get(p, 0.0),
+                   PSEUDO_FACTOR * got.get(p, 0.0), ROUNDING_ULPS * e) for p, e in eps.items()}
+
+
+def _leaf_eps(golden) -> dict[str, float]:
+    return _named(jax.tree.map(_eps, effect_tree(*golden[:2])))
+
+
+def _spreads(ref_spread) -> dict[str, float]:
+    return {p: float(v) for p, v in _named(ref_spread).items()} if ref_spread else {}
+
+
+def moved_leaves(golden, changes: Mapping[str, tuple[float, bool]], ref_spread=None,
+                 pseudo: Optional[PseudoSpread] = None) -> tuple[str, ...]:
+    """The paths of the leaves whose `changes` (`step_changes` against the step `golden`)
+    exceed their noise (the dtype's rounding, `ref_spread`, `pseudo`): () when every leaf
+    is within it (the step is ``masked``)."""
+    noise = _noise(_leaf_eps(golden), _spreads(ref_spread), pseudo)
+    return tuple(p for p, (c, _) in changes.items() if _ratio(c, noise[p]) > 1.0)
+
+
+def diagnose_effect(golden, got, ref_spread=None, before=None,
+                    pseudo: Optional[PseudoSpread] = None,
+                    changes: Optional[Mapping[str, tuple[float, bool]]] = None) -> Effect:
     """The effect of a step with the candidate, `got` = (new state, metrics), against the
     golden step's `golden` = (new state, metrics).
 
@@ -222,16 +371,19 @@ def diagnose_effect(golden, got, ref_spread=None, before=None) -> Effect:
       golden, got: the golden's and the candidate's `(new state, metrics)` of the same step.
       ref_spread: `reference_spread` of the step (None: a deterministic reference).
       before: the state the step started from (for the update measures; None: without them).
+      pseudo: the step's `PseudoSpread` under rounding pseudo-errors at the candidate's site
+        (None: none ran; the noise is then the dtype's rounding and `ref_spread`).
+      changes: `step_changes(golden, got)`, when already computed.
 
     Returns:
       An `Effect` named by the sufficient conditions in this module's docstring.
     """
-    (gs, gm), (cs, cm) = golden, got
-    g_tree = effect_tree(gs, gm)
-    changes = _named(_changes(effect_tree(cs, cm), g_tree))  # path -> (change, new non-finite)
-    spreads = {p: float(v) for p, v in _named(ref_spread).items()} if ref_spread else {}
-    noise = {p: max(REFERENCE_SPREAD_FACTOR * spreads.get(p, 0.0), ROUNDING_ULPS * eps)
-             for p, eps in _named(jax.tree.map(_eps, g_tree)).items()}
+    (gs, gm), (cs, cm) = golden[:2], got[:2]
+    if changes is None:
+        changes = step_changes((gs, gm), (cs, cm))
+    spreads = _spreads(ref_spread)
+    noise = _noise(_leaf_eps((gs, gm)), spreads, pseudo)
+    pspread = pseudo.spread if pseudo is not None else {}
     ratio = {p: _ratio(float(v[0]), noise[p]) for p, v in changes.items()}
     moved = tuple(sorted((p for p in ratio if ratio[p] > 1.0), key=lambda p: -ratio[p]))
     nonfinite = tuple(p for p in moved if changes[p][1])
@@ -244,11 +396,16 @@ def diagnose_effect(golden, got, ref_spread=None, before=None) -> Effect:
                moved=moved, nonfinite=nonfinite, leaf=top, noise_ratio=ratio.get(top, 0.0),
                change=float(changes[top][0]) if top else 0.0, noise=noise.get(top, 0.0),
                reference_spread=spreads.get(top, 0.0),
+               pseudo_spread=pspread.get(top, 0.0),
+               pseudo_samples=pseudo.samples if pseudo is not None else 0,
                update_change=None if math.isnan(update_change) else update_change,
                update_factor=factor, loss=(float(gm["loss"]), float(cm["loss"])),
                metrics={k: (float(gm[k]), float(cm[k])) for k in gm
                         if k != "loss" and np.ndim(gm[k]) == 0})
-    return dataclasses.replace(e, summary=_summary(e))
+    summary = _summary(e)
+    if pseudo is not None and pseudo.error:
+        summary += f" (no rounding pseudo-error: {pseudo.error})"
+    return dataclasses.replace(e, summary=summary)
 
 
 def _eps(leaf) -> float:
@@ -286,6 +443,33 @@ def _name(moved: tuple[str, ...], nonfinite: tuple[str, ...],
     return "perturbed", None
 
 
+def _samples(n: int) -> str:
+    return f"{n} sample{'s' if n != 1 else ''}"
+
+
+def _noise_source(e: Effect) -> str:
+    """What set the top leaf's noise, for a masked step's summary (a nondeterministic
+    reference is named whenever it spread on the leaf)."""
+    if e.reference_spread > 0 and REFERENCE_SPREAD_FACTOR * e.reference_spread >= e.noise:
+        return " (the reference's own run-to-run change)"
+    if e.pseudo_spread > 0 and PSEUDO_FACTOR * e.pseudo_spread >= e.noise:
+        return (f" ({PSEUDO_FACTOR:g}x its spread under a rounding pseudo-error at the site, "
+                f"{_samples(e.pseudo_samples)})")
+    if e.reference_spread > 0:
+        return " (its dtype's rounding, above the reference's own run-to-run change)"
+    return ""
+
+
+def _past_pseudo(e: Effect) -> str:
+    """How far past the rounding pseudo-error the top leaf went, for a moved step."""
+    if e.pseudo_spread > 0:
+        return (f" ({e.change / e.pseudo_spread:.3g}x the rounding pseudo-error's spread, "
+                f"{_samples(e.pseudo_samples)})")
+    if e.pseudo_samples:
+        return f" (the rounding pseudo-error did not move it, {_samples(e.pseudo_samples)})"
+    return ""
+
+
 def _summary(e: Effect) -> str:
     """One line: the name, what moved and how much, the loss golden -> with candidate."""
     loss = f"loss {e.loss[0]:.6g} -> {e.loss[1]:.6g}"
@@ -295,11 +479,11 @@ def _summary(e: Effect) -> str:
         bad = ", ".join(e.nonfinite[:3]) + (f" and {n - 3} more" if n > 3 else "")
         return f"nan_inf: non-finite values where the golden's are finite ({bad}); {loss}"
     if e.model == "masked":
-        why = (" (the reference's own run-to-run change)" if e.reference_spread > 0 else "")
-        largest = f"; largest {e.leaf} at {e.noise_ratio:.2g}x its noise{why}" if e.leaf else             "; bitwise equal"
+        largest = (f"; largest {e.leaf} at {e.noise_ratio:.2g}x its noise{_noise_source(e)}"
+                   if e.leaf else "; bitwise equal")
         return f"masked: every leaf within the golden's noise{largest}; {loss}"
     more = f" (and {len(e.moved) - 1} more leaves)" if len(e.moved) > 1 else ""
-    what = f"{e.leaf} moved {e.noise_ratio:.3g}x its step noise{more}"
+    what = f"{e.leaf} moved {e.noise_ratio:.3g}x its step noise{_past_pseudo(e)}{more}"
     if e.model == "sign_reversed":
         what += "; its update is the golden's negated"
     elif e.model == "update_scaled":

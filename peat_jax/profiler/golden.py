@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import hashlib
 import json
 import logging
@@ -16,9 +17,11 @@ import numpy as np
 from peat_jax.errors import PeatError
 from peat_jax.precision import at_matmul_precision, matmul_precision
 from peat_jax.profiler.hostio import quiet, to_device
-from peat_jax.profiler.rundir import (FORMAT, PathLike, RunDir, append_jsonl, atomic_write_json,
-                                      environment, platform_info, recorded_precision,
-                                      rewrite_jsonl, run_identity)
+from peat_jax.profiler.ioerrors import as_oserror
+from peat_jax.profiler.lock import golden_writer
+from peat_jax.profiler.rundir import (FORMAT, MissingCheckpoint, PathLike, RunDir, append_jsonl,
+                                      atomic_write_json, environment, platform_info,
+                                      recorded_precision, rewrite_jsonl, run_identity)
 from peat_jax.profiler.site_stats import (ChunkWriter, Sampling, StatsStep, drop_steps,
                                           read_sampling, write_sites)
 from peat_jax.profiler.workload import Workload, workload_factory
@@ -196,8 +199,8 @@ def restore(run_dir: PathLike, step: int, *, workload: Optional[Workload] = None
     wl = load_workload(m, workload)
     steps = available_checkpoints(rd)
     if step not in steps:
-        raise PeatError(f"no checkpoint for step {step} in {rd.checkpoints}; available: "
-                        f"{steps or 'none'}")
+        raise MissingCheckpoint(f"no checkpoint for step {step} in {rd.checkpoints}; available: "
+                                f"{steps or 'none'}")
     others = [s for s in steps if s != step]
     remedy = f"use another checkpoint ({others}) or re-profile into a new directory"
     target = _local(jax.tree.map(ocp.utils.to_shape_dtype_struct,
@@ -208,6 +211,7 @@ def restore(run_dir: PathLike, step: int, *, workload: Optional[Workload] = None
             state = mgr.restore(step, args=ocp.args.StandardRestore(target))
         except Exception as e:  # noqa: BLE001 - Orbax raises many types for damaged files
             _drop_orbax_leftovers()
+            _not_damaged(rd, step, e)
             first = str(e).splitlines()[0][:200] if str(e).strip() else ""
             raise PeatError(f"checkpoint {rd.checkpoints / str(step)} cannot be restored "
                             f"({type(e).__name__}: {first}); it is damaged: {remedy}") from None
@@ -220,6 +224,23 @@ def restore(run_dir: PathLike, step: int, *, workload: Optional[Workload] = None
                         f"from the SHA-256 recorded in {rd.checkpoint_record_path} when it was "
                         f"saved; {remedy}")
     return state
+
+
+def _not_damaged(rd: RunDir, step: int, e: Exception) -> None:
+    """Raise what a failed restore of checkpoint `step` was when it was not damage: the
+    checkpoint removed while it was read (`MissingCheckpoint`), or the OSError of a file that
+    could not be read (permissions, an IO error), unwrapped from Orbax's exception."""
+    if not (rd.checkpoints / str(step)).is_dir():
+        left = [s for s in available_checkpoints(rd) if s != step]
+        raise MissingCheckpoint(f"checkpoint {rd.checkpoints / str(step)} was removed while it "
+                                f"was being read; available: {left or 'none'}") from None
+    cause = as_oserror(e)
+    if cause is not None and cause.errno in _UNREADABLE:
+        raise cause from None
+
+
+# errnos of a checkpoint that cannot be read for another reason than damage
+_UNREADABLE = {errno.EACCES, errno.EPERM, errno.EIO, errno.EMFILE, errno.ENFILE}
 
 
 def _drop_orbax_leftovers() -> None:
@@ -334,7 +355,7 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
     steps, every, stats_every = _checked_intervals(workload, steps, checkpoint_every, stats_every)
     precision = None if precision is None else matmul_precision(precision)
     rd = RunDir(run_dir, create=True)
-    with at_matmul_precision(precision):
+    with golden_writer(rd.path), at_matmul_precision(precision):
         stepper = StatsStep(workload.train_step, substitution, sampling=_sampling(rd))
         stats_sites, record = None, None
         if stats_every or substitution:  # trace the step once, on a fresh state and batch 0
@@ -348,7 +369,8 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
         state = _train(workload, rd, manifest, _Stepper(stepper, stats_every, stats_sites),
                        seed, steps, every, resumed_from, progress)
         evaluation = dict(workload.evaluate(state)) if workload.evaluate is not None else {}
-    atomic_write_json(rd.eval_path, {"step": steps, **{k: float(v) for k, v in evaluation.items()}})
+        atomic_write_json(rd.eval_path, {"step": steps,
+                                         **{k: float(v) for k, v in evaluation.items()}})
     return GoldenRun(str(rd.path), workload.name, steps, tuple(available_checkpoints(rd)),
                      tuple(rd.golden_losses()), evaluation, resumed_from)
 

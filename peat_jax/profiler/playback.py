@@ -7,7 +7,10 @@ with nothing active (the same compiled executable, site index -1):
     (for a site inside a `scan`, the iteration with the largest difference);
   * effect: the step's loss, metrics and updated params against the golden replay, in training
     terms (`peat_jax.profiler.effect`: which leaves moved beyond the golden's own noise, by how
-    much, and what became of the step's update).
+    much, and what became of the step's update). Where the step moved at all, its noise is
+    measured: the golden step replayed with a rounding pseudo-error at the same site (up to
+    `effect.PSEUDO_SAMPLES` samples, on the same executable), a leaf moved when its change is
+    beyond `effect.PSEUDO_FACTOR` times its spread under them.
 The whole grid runs on one compiled executable per (workload, candidate). No activations are
 stored: the batch of step c is regenerated from c, and only the diagnoses are written, one JSON
 line per cell in `campaigns/<name>/results.jsonl`, appended as cells finish; running the same
@@ -35,9 +38,11 @@ from peat_jax.errors import PeatError
 from peat_jax.kernels.base import Kernel
 from peat_jax.precision import at_matmul_precision, with_callers_precision
 from peat_jax.profiler.campaign import Campaign, campaign_name, campaign_spec, open_campaign
-from peat_jax.profiler.effect import Effect, diagnose_effect, reference_spread
+from peat_jax.profiler.effect import (PSEUDO_SAMPLES, Effect, PseudoSpread, diagnose_effect,
+                                      moved_leaves, reference_spread, step_changes)
 from peat_jax.profiler.golden import available_checkpoints, load_workload, restore
 from peat_jax.profiler.hostio import quiet, to_device
+from peat_jax.profiler.lock import campaign_writer
 from peat_jax.profiler.replay import Replay, Taps, error_line
 from peat_jax.profiler.rundir import PathLike, RunDir, recorded_precision
 from peat_jax.profiler.workload import Workload
@@ -211,7 +216,8 @@ def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
     manifest = rd.manifest()
     wl = load_workload(manifest, workload)
     checkpoints = _checkpoints(rd, manifest, checkpoints)
-    with at_matmul_precision(recorded_precision(manifest)):  # as the golden run traced it
+    with campaign_writer(rd.path, name, substitution, host), \
+            at_matmul_precision(recorded_precision(manifest)):  # as the golden run traced it
         state0 = _restore(rd, wl, checkpoints[0])
         replay_devices = _replay_devices(state0, devices)
         traced, chosen = _trace(wl, state0, checkpoints[0], substitution, sites, regions)
@@ -329,8 +335,10 @@ def _play_checkpoint(run: _Run, c: int, todo: Sequence[Site], state, batch) -> f
     groups = run.replay.groups([s for s in todo if s.index not in crashed])
     judge = _Float64Judge(run, c, state, batch)
     for group, outs in _outputs(run, c, groups, state, batch):
+        steps = _pseudo_errors(run, group, golden, outs, ref_spread, state, batch)
         for s in group:
-            run.finish(_diagnosed(run, c, s, golden, outs, ref_spread, state, judge))
+            run.finish(_diagnosed(run, c, s, golden, outs, ref_spread, state, judge,
+                                  *steps.get(s.index, (None, None))))
             if judge.timed_out:
                 raise CellTimeout(
                     f"cell {(c, s.index)} of campaign {run.campaign.name!r}: {judge.timed_out}. "
@@ -339,6 +347,46 @@ def _play_checkpoint(run: _Run, c: int, todo: Sequence[Site], state, batch) -> f
                     "process to go on with the other cells")
     run.campaign.clear_running()
     return spread
+
+
+def _pseudo_errors(run: _Run, group: Sequence[Site], golden, outs, ref_spread, state, batch
+                   ) -> dict[int, tuple[dict, PseudoSpread]]:
+    """Site index -> (the candidate's `step_changes`, its `PseudoSpread`) for the cells of
+    `group` whose replay ran: the golden step replayed with up to `PSEUDO_SAMPLES` rounding
+    pseudo-errors at the cell's site (the same executable, `sample` traced), for the cells
+    whose step moved beyond the dtype's rounding and the reference's own spread; sampling
+    stops for a cell as soon as its step is within the noise of the samples so far (a cell
+    whose step went non-finite needs none: no rounding excuses it)."""
+    if isinstance(outs, BaseException):
+        return {}
+    found: dict[int, tuple[dict, PseudoSpread]] = {}
+    for s in group:
+        try:
+            changes = step_changes(golden, outs[s.index])
+        except Exception:  # noqa: BLE001 - the cell is recorded as crashed by _diagnosed
+            changes = None
+        if changes is not None:
+            found[s.index] = (changes, PseudoSpread())
+
+    def moving(s: Site) -> bool:
+        changes, pseudo = found[s.index]
+        moved = moved_leaves(golden, changes, ref_spread, pseudo)
+        return bool(moved) and not any(changes[p][1] for p in moved)
+
+    need = [s for s in group if s.index in found and moving(s)]
+    for k in range(PSEUDO_SAMPLES):
+        if not need:
+            break
+        try:
+            steps = jax.block_until_ready(run.replay.dispatch(need, state, batch, k))
+            for s in need:
+                found[s.index][1].add(step_changes(golden, steps[s.index]))
+        except Exception as e:  # noqa: BLE001 - judged without it, and the effect says why
+            for s in need:
+                found[s.index][1].error = error_line(e)
+            break
+        need = [s for s in need if moving(s)]
+    return found
 
 
 def _outputs(run: _Run, c: int, groups: list[list[Site]], state, batch) -> Iterator[tuple]:
@@ -407,14 +455,15 @@ def _with_time_limit(fn, seconds: float):
 
 
 def _diagnosed(run: _Run, c: int, site: Site, golden, outs, ref_spread, before,
-               judge: Optional["_Float64Judge"] = None) -> Cell:
+               judge: Optional["_Float64Judge"] = None, changes: Optional[dict] = None,
+               pseudo: Optional[PseudoSpread] = None) -> Cell:
     """The cell of `site` diagnosed from its replay's outputs; a crashed cell where running the
     replay raised (`outs` is then the exception) or its outputs cannot be read."""
     try:
         if isinstance(outs, BaseException):
             raise outs
         return _cell(c, site, run.candidate(site), golden, outs[site.index], ref_spread, before,
-                     judge)
+                     judge, pseudo, changes)
     except Exception as e:  # noqa: BLE001 - the candidate failed while running
         return run.failed(c, site, "crashed", error_line(e))
 
@@ -447,20 +496,23 @@ def _cell_from_record(rec: dict, site: Site) -> Cell:
                                                 d.get("summary", ""))
 
     return Cell(int(rec["checkpoint"]), site, rec.get("candidate", "?"), diag(rec.get("local")),
-                None if rec.get("effect") is None else Effect.from_dict(rec["effect"]), tuple(rec.get("loss", (float("nan"), float("nan")))),
+                None if rec.get("effect") is None else Effect.from_dict(rec["effect"]),
+                tuple(rec.get("loss", (float("nan"), float("nan")))),
                 rec.get("local_signature"), rec.get("effect_leaf", ""), _status(rec),
                 rec.get("error", ""))
 
 
 def _cell(checkpoint: int, site: Site, candidate: str, golden, got, ref_spread=None,
-          before=None, judge: Optional["_Float64Judge"] = None) -> Cell:
+          before=None, judge: Optional["_Float64Judge"] = None,
+          pseudo: Optional[PseudoSpread] = None, changes: Optional[dict] = None) -> Cell:
     """The diagnosed cell: `golden` and `got` are the golden and the candidate's replay
     outputs (new state, metrics, Taps); `before` the state the step started from; `judge`
-    judges a failing site again with float64 evidence."""
+    judges a failing site again with float64 evidence; `pseudo` the step's spread under
+    rounding pseudo-errors at the site and `changes` the step's `step_changes`."""
     gs, gm, _ = golden
     cs, cm, taps = got
     local, compact = _local(site, taps, judge)
-    effect = diagnose_effect((gs, gm), (cs, cm), ref_spread, before)
+    effect = diagnose_effect((gs, gm), (cs, cm), ref_spread, before, pseudo, changes)
     return Cell(checkpoint, site, candidate, local, effect, effect.loss, compact, effect.leaf)
 
 
@@ -642,5 +694,6 @@ def _compact_signature(sig, c, r) -> dict:
     grid = np.asarray(_mask_grid(c, r))
     out["mask"] = [[round(float(v), 3) for v in row] for row in grid]
     rows = int(np.prod(c.shape[:-1])) if c.ndim > 1 else 1
-    out["mask_note"] = f"{rows} rows x {c.shape[-1] if c.ndim else 1} cols, {grid.shape[0]}x{grid.shape[1]} blocks"
+    cols = c.shape[-1] if c.ndim else 1
+    out["mask_note"] = f"{rows} rows x {cols} cols, {grid.shape[0]}x{grid.shape[1]} blocks"
     return out

@@ -5,9 +5,16 @@ the candidate active only at site `site_index` (-1: nowhere, the golden replay) 
 new state, the metrics and the site's `Taps`. It is `substitute.make_rules`' switched rule with
 taps, so playback replays exactly what `peat.switched` runs. A candidate that raises while
 traced at a site is isolated there: the site runs the reference and `Replay.crashed` says why.
+
+`fn(site_index, state, batch, sample)` with a traced `sample` >= 0 runs, on the same executable,
+the golden step with the candidate off and the reference output at site `site_index` moved by
+the rounding pseudo-error number `sample` (`peat_jax.profiler.effect.pseudo_error`, seeded
+by `effect.pseudo_seed(sample, site index, output)`): what playback judges a cell's step
+against.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple, Sequence
 
@@ -17,6 +24,7 @@ import numpy as np
 
 from peat_jax import _interpreter as _ip
 from peat_jax import _jax
+from peat_jax.profiler.effect import pseudo_error, pseudo_error_size, pseudo_seed
 from peat_jax.sites import Site, Traced
 from peat_jax.substitute import Candidate, fault_key, make_rules, run_rules
 
@@ -36,7 +44,6 @@ class Replay:
     """One campaign's replay executable and its dispatch over devices.
 
     Attributes:
-      fn: jitted `(site_index, state, batch) -> (new state, metrics, Taps)`.
       width: the taps' length (the largest first output among the grid's sites).
       devices: the devices a checkpoint's cells are spread over.
       crashed: site index -> error line, for candidates that raised while traced there
@@ -49,9 +56,15 @@ class Replay:
         self.width = max((int(np.prod(s.out_shapes[0])) for s in sites), default=1)
         self.devices = list(devices)
         self.crashed: dict[int, str] = {}
-        self.fn = jax.jit(self._run)
-        self._compiled = [self.fn]
+        self._jitted = jax.jit(self._run)
+        self._compiled = [self._jitted]
         self._capture = jax.jit(self._operands)
+
+    def fn(self, site_index, state, batch, sample=-1):
+        """The replay at `site_index` (-1: the golden), with the rounding pseudo-error number
+        `sample` there instead of the candidate when `sample` >= 0: (new state, metrics, Taps),
+        asynchronously; one executable for every site and sample."""
+        return self._jitted(site_index, state, batch, sample)
 
     @property
     def group_size(self) -> int:
@@ -63,17 +76,18 @@ class Replay:
         n = self.group_size
         return [list(sites[i:i + n]) for i in range(0, len(sites), n)]
 
-    def dispatch(self, group: Sequence[Site], state, batch) -> dict[int, Any]:
+    def dispatch(self, group: Sequence[Site], state, batch, sample: int = -1) -> dict[int, Any]:
         """Start the replays of `group` (asynchronously): site index -> (new state, metrics,
-        Taps). With several devices an empty group still runs the spread replay once (site -1
+        Taps); with `sample` >= 0 the golden step with that rounding pseudo-error at each site
+        instead. With several devices an empty group still runs the spread replay once (site -1
         on every device): its compilation, outside any time limit."""
         if len(self.devices) > 1:
             ids = [s.index for s in group] + [-1] * (len(self.devices) - len(group))
-            out = self._spread(jnp.asarray(ids, jnp.int32), state, batch)
+            out = self._spread(jnp.asarray(ids, jnp.int32), state, batch, sample)
             home = jax.tree.leaves(state)[0].sharding
             return {s.index: jax.device_put(jax.tree.map(lambda x, j=j: x[j], out), home)
                     for j, s in enumerate(group)}
-        return {s.index: self.fn(s.index, state, batch) for s in group}
+        return {s.index: self.fn(s.index, state, batch, sample) for s in group}
 
     def compiles(self) -> int:
         """Executables compiled so far (the golden replay's included)."""
@@ -86,23 +100,30 @@ class Replay:
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
         mesh = Mesh(np.asarray(self.devices), ("cells",))
 
-        def per_device(site_index, state, batch):
-            return jax.tree.map(lambda x: x[None], self._run(site_index[0], state, batch))
+        def per_device(site_index, state, batch, sample):
+            return jax.tree.map(lambda x: x[None], self._run(site_index[0], state, batch,
+                                                             sample))
 
-        fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("cells"), P(), P()),
+        fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("cells"), P(), P(), P()),
                                    out_specs=P("cells"), check_vma=False))
         self._compiled.append(fn)
         spread, same = NamedSharding(mesh, P("cells")), NamedSharding(mesh, P())
 
-        def run(ids, state, batch):
-            state, batch = jax.device_put((state, batch), same)
-            return fn(jax.device_put(ids, spread), state, batch)
+        def run(ids, state, batch, sample=-1):
+            state, batch, sample = jax.device_put((state, batch, jnp.int32(sample)), same)
+            return fn(jax.device_put(ids, spread), state, batch, sample)
 
         return run
 
-    def _run(self, site_index, state, batch):
-        rules = make_rules(self.traced, self.chosen, lambda site: site_index == site.index,
+    def _run(self, site_index, state, batch, sample):
+        sample = jnp.asarray(sample, jnp.int32)
+        off = sample < 0   # the candidate runs only when no pseudo-error does
+        rules = make_rules(self.traced, self.chosen,
+                           lambda site: (site_index == site.index) & off,
                            fault_key, taps=self.width, on_error=self._crash)
+        rules = {i: _with_pseudo_error(rule, self.traced.sites[i], jnp.maximum(sample, 0),
+                                       (site_index == i) & ~off)
+                 for i, rule in rules.items()}
         (new_state, metrics), sides = run_rules(self.traced, rules, (state, batch), {},
                                                 with_sides=True)
         return new_state, metrics, _taps_at(sides, site_index, self.width)
@@ -127,6 +148,29 @@ class Replay:
     def _crash(self, site: Site, e: Exception) -> None:
         # isolated: the site's cells are recorded as crashed, the rest of the grid runs
         self.crashed.setdefault(site.index, error_line(e))
+
+
+def _with_pseudo_error(rule, site: Site, sample: jax.Array, on: jax.Array):
+    """`rule` with its outputs moved by the rounding pseudo-error number `sample` when `on`
+    (both traced; `on` only where the candidate is off, so what is moved is the reference):
+    each float output perturbed within its rounding floor (`effect.pseudo_error`, size
+    `effect.pseudo_error_size(site)`, seeded by the sample, the site and the output). Applied
+    once to the rule's result rather than to each call of the reference inside its branches,
+    and by a select rather than a `lax.cond`: a few fused element-wise operations per site,
+    the reference's values passed bitwise where `on` is false."""
+    rho = pseudo_error_size(site)
+
+    def moved(outs):
+        return [jnp.where(on, pseudo_error(o, pseudo_seed(sample, site.index, j), rho), o)
+                for j, o in enumerate(outs)]
+
+    def moved_rule(op, invals, reference):
+        got = rule(op, invals, reference)
+        if isinstance(got, _ip.WithSide):
+            return dataclasses.replace(got, outs=moved(got.outs))
+        return moved(got)
+
+    return moved_rule
 
 
 def _capturing(op, invals, reference):

@@ -18,11 +18,17 @@ Layout:
                                unfinished, runtime.partial.json (its spec and progress) and
                                runtime-state/<step>/ (Orbax checkpoints of its injected state at
                                the last chunk ends), removed when runtime.json is written
+  .lock, campaigns/<name>/.lock[.p<i>-of-<n>]
+                               while a golden run / a campaign (or one process's share of it) /
+                               a named runtime run writes: its holder (pid, host, start time,
+                               command), under an advisory flock; see `peat_jax.profiler.lock`
 
 Only JSON, Orbax and pickle-free `.npz` are written; nothing is ever unpickled. JSON files are
 written atomically (temporary file + rename); JSONL files are appended line by line and a torn
 last line (from a kill mid-write) is dropped on reading; a damaged line elsewhere is skipped with a
-warning (or is an error with `strict=True`), and is never rewritten.
+warning (or is an error with `strict=True`), and is never rewritten. An IO failure while a run
+writes (a full disk, a read-only directory) is a one-line PeatError saying what failed and how to
+resume (`peat_jax.profiler.ioerrors`).
 """
 from __future__ import annotations
 
@@ -40,8 +46,9 @@ from peat_jax import _jax
 from peat_jax.errors import PeatError
 from peat_jax.precision import current_matmul_precision
 
-__all__ = ["MANIFEST", "RunDir", "append_jsonl", "atomic_write", "atomic_write_json", "environment",
-           "platform_info", "read_jsonl", "recorded_precision", "run_identity"]
+__all__ = ["MANIFEST", "MissingCheckpoint", "RunDir", "append_jsonl", "atomic_write",
+           "atomic_write_json", "environment", "platform_info", "read_jsonl", "recorded_precision",
+           "run_identity"]
 
 MANIFEST = "manifest.json"
 # the manifest keys that say which run a directory holds (not "steps": a run may be extended)
@@ -205,6 +212,11 @@ def platform_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "device_count": jax.device_count(),
     }
+
+
+class MissingCheckpoint(PeatError):
+    """A checkpoint asked for is not in the run directory (never saved, or removed: also while
+    a replay was reading it)."""
 
 
 class RunDir:

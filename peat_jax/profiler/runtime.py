@@ -18,6 +18,7 @@ from peat_jax.precision import at_matmul_precision
 from peat_jax.profiler.campaign import substitution_digest
 from peat_jax.profiler.golden import load_workload, restore, scalar_metrics, state_digest
 from peat_jax.profiler.hostio import quiet, to_device
+from peat_jax.profiler.lock import runtime_writer
 from peat_jax.profiler.nan_origin import NanOrigin, all_finite, step_nan_origin
 from peat_jax.profiler.rundir import (PathLike, RunDir, atomic_write_json, recorded_precision,
                                       run_identity)
@@ -273,9 +274,25 @@ def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substi
     site whose output was non-finite (see `peat_jax.profiler.nan_origin`).
     A run directory's training runs at the matmul precision its golden run recorded.
 
+    A named run holds its campaign's lock while it runs (`peat_jax.profiler.lock`): another
+    process writing the same name is a PeatError naming it, and an IO failure (a full disk, a
+    read-only directory) is a one-line PeatError saying how to resume.
+
     Returns:
       A `RuntimeResult`.
     """
+    if name is not None and not isinstance(run_dir_or_workload, Workload):
+        with runtime_writer(RunDir(run_dir_or_workload).path, name):
+            return _runtime(run_dir_or_workload, substitution, schedule, steps=steps,
+                            workload=workload, regions=regions, name=name, seed=seed,
+                            chunk=chunk, progress=progress)
+    return _runtime(run_dir_or_workload, substitution, schedule, steps=steps, workload=workload,
+                    regions=regions, name=name, seed=seed, chunk=chunk, progress=progress)
+
+
+def _runtime(run_dir_or_workload, substitution, schedule, *, steps, workload, regions, name,
+             seed, chunk, progress) -> RuntimeResult:
+    """`runtime`'s work, under its lock where it writes."""
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps <= 0:
         raise PeatError(f"steps must be a positive int, got {steps!r}")
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer))

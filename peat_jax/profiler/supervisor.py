@@ -10,6 +10,8 @@ whenever it stops that way; each new worker resumes the campaign:
     "crashed";
   * a worker too wedged to time itself out (a hang that holds the GIL) is killed once a running
     marker is older than `hard_limit(S)`, and its cells are recorded as "timeout".
+The supervisor holds the campaign's lock (`peat_jax.profiler.lock`) from start to end; its
+workers inherit it.
 Messages go to stderr, one line each, prefixed "peat: ".
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from peat_jax.profiler.campaign import Campaign
+from peat_jax.profiler.lock import campaign_writer
 
 __all__ = ["EXIT_RESTART", "exit_for_restart", "hard_limit", "supervise"]
 
@@ -45,19 +48,32 @@ def supervise(argv: Sequence[str], campaign: Campaign, cell_timeout: float) -> i
       kept stopping (more than `MAX_RESTARTS` restarts).
     """
     restarts = 0
-    while True:
-        for stale in campaign.markers():  # left by an interrupted run
-            stale.discard()
-        rc, wedged = _watch(subprocess.Popen(list(argv)), campaign, hard_limit(cell_timeout))
-        if rc in (0, 1, 2) and not wedged:
-            return rc
-        if (rc != EXIT_RESTART or wedged) and not _record_stopped(campaign, rc, wedged,
-                                                                  cell_timeout):
-            return 2
-        restarts += 1
-        if restarts > MAX_RESTARTS:
-            _say("error: the playback worker kept stopping; giving up")
-            return 2
+    # the campaign's lock, held here for the workers (they inherit it) and between them
+    with campaign_writer(campaign.path.parent.parent, campaign.name,
+                         host=(campaign.host, campaign.hosts)) as lock:
+        env = lock.inherit_env()
+        while True:
+            for stale in _markers(campaign):  # left by an interrupted run
+                stale.discard()
+            rc, wedged = _watch(subprocess.Popen(list(argv), env=env), campaign,
+                                hard_limit(cell_timeout))
+            if rc in (0, 1, 2) and not wedged:
+                return rc
+            if (rc != EXIT_RESTART or wedged) and not _record_stopped(campaign, rc, wedged,
+                                                                      cell_timeout):
+                return 2
+            restarts += 1
+            if restarts > MAX_RESTARTS:
+                _say("error: the playback worker kept stopping; giving up")
+                return 2
+
+
+def _markers(campaign: Campaign) -> list:
+    """The running markers this supervisor answers for: its share's (the whole campaign's:
+    every marker in the directory)."""
+    if campaign.hosts == 1:
+        return campaign.markers()
+    return [m for m in campaign.markers() if m.path == campaign.running.path]
 
 
 def exit_for_restart(message: str) -> NoReturn:
@@ -77,7 +93,7 @@ def _watch(proc: subprocess.Popen, campaign: Campaign, limit: float) -> tuple[in
         try:
             return proc.wait(timeout=POLL_SECONDS), wedged
         except subprocess.TimeoutExpired:
-            if any(m.age() > limit for m in campaign.markers()):
+            if any(m.age() > limit for m in _markers(campaign)):
                 wedged = True
                 proc.kill()
 
@@ -85,7 +101,7 @@ def _watch(proc: subprocess.Popen, campaign: Campaign, limit: float) -> tuple[in
 def _record_stopped(campaign: Campaign, rc: int, wedged: bool, cell_timeout: float) -> bool:
     """Record the cells of a worker that died (or was killed, `wedged`) from their running
     markers. Returns False when there were none: it stopped outside any cell."""
-    markers = campaign.markers()
+    markers = _markers(campaign)
     if not markers:
         _say(f"error: the playback worker exited with status {rc} outside any cell; see its "
              "messages above")
