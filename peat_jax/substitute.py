@@ -10,6 +10,7 @@ Three ways to switch a candidate in, one mechanism:
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
@@ -48,17 +49,39 @@ def resolve(sites: Sequence[Site], substitution: Substitution) -> dict[int, Cand
     chosen: dict[int, tuple[Any, Candidate]] = {}
     for selector, cand in substitution.items():
         _check_candidate(cand, selector)
+        refused, served = [], 0
         for site in select(sites, selector):
             if site.index in chosen and chosen[site.index][1] is not cand:
-                raise PeatError(f"site #{site.index} ({site.primitive} @ {site.path}) is selected by "
-                                f"both {chosen[site.index][0]!r} and {selector!r} with different "
-                                "candidates; make the selectors disjoint")
+                raise PeatError(f"site #{site.index} ({site.primitive} @ {site.path}) is selected "
+                                f"by both {chosen[site.index][0]!r} and {selector!r} with "
+                                "different candidates; make the selectors disjoint")
             reason = _site_reason(cand, site)
             if reason:
-                raise PeatError(f"cannot use {_cand_name(cand)} at site #{site.index} "
-                                f"({site.primitive} @ {site.path or '<top>'}): {reason}")
-            chosen[site.index] = (selector, cand)
+                refused.append((site, reason))
+            else:
+                chosen[site.index] = (selector, cand)
+                served += 1
+        _refused(selector, cand, refused, served=served > 0)
     return {i: c for i, (_, c) in sorted(chosen.items())}
+
+
+def _refused(selector, cand: Candidate, refused: list, served: bool) -> None:
+    """The sites `selector` matched that `cand` cannot serve (`refused`: (site, why)): a
+    PeatError when it serves none of its sites, else a one-line warning listing them (a
+    selector matching many sites, `"dot_general"` over a model whose attention mask is an
+    int32 einsum, keeps the others)."""
+    if not refused:
+        return
+    site, why = refused[0]
+    first = f"site #{site.index} ({site.primitive} @ {site.path or '<top>'}): {why}"
+    if not served:
+        more = f" (and {len(refused) - 1} more of its sites)" if len(refused) > 1 else ""
+        raise PeatError(f"cannot use {_cand_name(cand)} at {first}{more}; selector "
+                        f"{selector!r} leaves it no site to serve")
+    others = ", ".join(f"#{s.index}" for s, _ in refused[1:])
+    warnings.warn(f"selector {selector!r}: {_cand_name(cand)} skips {len(refused)} site(s) it "
+                  f"cannot serve, which run the reference: {first}"
+                  + (f"; also {others}" if others else ""), stacklevel=4)
 
 
 def _cand_name(c: Candidate) -> str:

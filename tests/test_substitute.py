@@ -56,7 +56,8 @@ def test_identity_and_backward_fault_in_every_framework(mlp_variants, mlp_data, 
 def test_empty_substitution_is_bitwise_identical_scan_remat_transformer(gpt):
     loss, params, tokens = gpt
     vg = jax.value_and_grad(loss)
-    assert bitwise_equal(jax.jit(vg)(params, tokens), jax.jit(peat.substitute(vg, {}))(params, tokens))
+    assert bitwise_equal(jax.jit(vg)(params, tokens),
+                         jax.jit(peat.substitute(vg, {}))(params, tokens))
 
 
 def test_empty_substitution_with_regions_matches_the_program_with_regions(gpt):
@@ -95,7 +96,8 @@ def test_fault_at_site_produces_exactly_its_pattern():
     w = jax.random.normal(jax.random.key(1), (8, 5))
     f = lambda x, w: jnp.tanh(x @ w)  # noqa: E731
     ref_dot = x @ w
-    flipped = jax.jit(peat.substitute(lambda x, w: x @ w, {0: peat.faults.bit_flip(bit=30, index=7)}))(x, w)
+    flipped = jax.jit(peat.substitute(lambda x, w: x @ w,
+                                      {0: peat.faults.bit_flip(bit=30, index=7)}))(x, w)
     bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint32)).ravel()  # noqa: E731
     diff = bits(flipped) ^ bits(ref_dot)
     assert np.flatnonzero(diff).tolist() == [7] and diff[7] == 1 << 30
@@ -151,7 +153,8 @@ def test_region_kernel_replaces_forward_and_backward():
         e = jnp.exp(z - z.max(-1, keepdims=True))
         return e * (1.0 / e.sum(-1, keepdims=True))
 
-    w, x = jax.random.normal(jax.random.key(0), (8, 8)), jax.random.normal(jax.random.key(1), (3, 8))
+    w = jax.random.normal(jax.random.key(0), (8, 8))
+    x = jax.random.normal(jax.random.key(1), (3, 8))
     vg = jax.value_and_grad(loss)
     ref = vg(w, x)
     good = peat.substitute(vg, {"softmax": peat.Kernel("my_softmax", my_softmax)})
@@ -174,7 +177,8 @@ def test_region_kernel_replaces_forward_and_backward():
 def test_wrong_shape_kernel_fails_clearly(linen_mlp, mlp_data):
     loss, params = linen_mlp
     bad = peat.Kernel("transposed", lambda a, b, **kw: (a @ b).T)
-    with pytest.raises(peat.PeatError, match=r"returned \(float32\[16, 6\]\) at site #0.*needs \(float32\[6, 16\]\)"):
+    with pytest.raises(peat.PeatError, match=r"returned \(float32\[16, 6\]\) at site #0"
+                                             r".*needs \(float32\[6, 16\]\)"):
         peat.substitute(loss, {0: bad})(params, *mlp_data)
     bad_dtype = peat.Kernel("f16", lambda a, b, **kw: (a @ b).astype(jnp.float16))
     with pytest.raises(peat.PeatError, match="float16"):
@@ -227,7 +231,8 @@ def test_switched_sweep_compiles_once_and_matches_static_substitution(linen_mlp,
     vg = jax.value_and_grad(loss)
     fault = peat.faults.scale(1.5)
     sw = jax.jit(peat.switched(vg, {"dot_general": fault}))
-    sites = [s.index for s in peat.list_sites(vg, params, *mlp_data) if s.primitive == "dot_general"]
+    sites = [s.index for s in peat.list_sites(vg, params, *mlp_data)
+             if s.primitive == "dot_general"]
     golden = sw(-1, params, *mlp_data)
     plain = jax.jit(vg)(params, *mlp_data)
     for a, b in zip(jax.tree.leaves(golden), jax.tree.leaves(plain)):
@@ -277,7 +282,24 @@ def test_flax_attention_region_outside_scan_can_be_replaced():
     assert bitwise_equal(ref, same)
     # a fused-kernel stand-in: the module's own math, with the output doubled
     def doubled(variables, x, x2, mask):
-        return 2.0 * Attn().apply({"params": {"MultiHeadDotProductAttention_0": variables["params"]}}, x)
+        inner = {"MultiHeadDotProductAttention_0": variables["params"]}
+        return 2.0 * Attn().apply({"params": inner}, x)
     v, g = jax.jit(peat.substitute(vg, {"fwd:MultiHeadDotProductAttention":
-                                        peat.Kernel("doubled", doubled)}, regions=regions))(params, x)
+                                        peat.Kernel("doubled", doubled)},
+                                   regions=regions))(params, x)
     np.testing.assert_allclose(v, 4.0 * ref[0], rtol=1e-5)
+
+
+def test_a_selector_skips_the_sites_its_kernel_cannot_serve_and_says_so():
+    """{"dot_general": pallas_matmul} over a step with an int32 einsum (an attention mask):
+    the float sites are substituted, the int32 one runs the reference with a one-line warning;
+    a selector left with no site it can serve is an error."""
+    k = peat.kernels.pallas_matmul()
+    x, m = jnp.ones((4, 4)), jnp.ones((4, 4), jnp.int32)
+    f = peat.substitute(lambda x, m: (x @ x).sum() + (m @ m).sum(), {"dot_general": k})
+    with pytest.warns(UserWarning, match=r"skips 1 site\(s\) it cannot serve.*got int32"):
+        chosen = f.selected(x, m)
+    assert [s.in_dtypes[0] for s in chosen] == [jnp.float32]
+    assert float(f(x, m)) == 128.0
+    with pytest.raises(peat.PeatError, match="leaves it no site to serve"):
+        peat.substitute(lambda m: m @ m, {"dot_general": k}).selected(m)
