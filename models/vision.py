@@ -30,7 +30,8 @@ __all__ = ["CNN", "DEFAULTS", "SIZES", "load_digits_split", "make"]
 NUM_CLASSES = 10
 
 DEFAULTS: dict[str, Any] = {
-    "size": "small",          # preset for width / hidden / batch_size / steps: "small" (CPU), "large" (GPU)
+    "size": "small",          # preset for width / hidden / batch_size / steps:
+                              # "small" (CPU), "large" (GPU)
     "width": 16,              # features of the first conv; the second has 2 * width
     "hidden": 64,             # units of the dense layer before the head
     "batch_size": 32,
@@ -49,7 +50,8 @@ SIZES: dict[str, dict[str, Any]] = {
 
 
 class CNN(nn.Module):
-    """Two 3x3 convs (relu, 2x2 average pool after each), LayerNorm, a dense layer, a linear head."""
+    """Two 3x3 convs (relu, 2x2 average pool after each), LayerNorm, a dense layer, a linear
+    head."""
 
     width: int = 16
     hidden: int = 64
@@ -72,11 +74,12 @@ class CNN(nn.Module):
 
 
 @functools.lru_cache(maxsize=8)
-def load_digits_split(seed: int = 0, holdout_fraction: float = 0.2) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def load_digits_split(seed: int = 0, holdout_fraction: float = 0.2
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Returns ``(train_images, train_labels, test_images, test_labels)``.
 
-    Images are float32 ``[N, 8, 8, 1]`` in [0, 1], labels int32 ``[N]``. The held-out split is a seeded
-    permutation, the same for the same ``seed``. The arrays are cached: do not modify them.
+    Images are float32 ``[N, 8, 8, 1]`` in [0, 1], labels int32 ``[N]``. The held-out split is a
+    seeded permutation, the same for the same ``seed``. The arrays are cached: do not modify them.
     """
     from sklearn.datasets import load_digits
 
@@ -99,7 +102,8 @@ def make_batch_fn(images: np.ndarray, labels: np.ndarray, batch_size: int, seed:
     """
     n = len(labels)
     if batch_size > n:
-        raise ValueError(f"batch_size {batch_size} is larger than the training split ({n} examples)")
+        raise ValueError(f"batch_size {batch_size} is larger than the training split "
+                         f"({n} examples)")
     steps_per_epoch = n // batch_size
 
     def batch(step: int) -> dict[str, np.ndarray]:
@@ -112,13 +116,15 @@ def make_batch_fn(images: np.ndarray, labels: np.ndarray, batch_size: int, seed:
     return batch
 
 
-def build(cfg: Mapping[str, Any], num_classes: int = NUM_CLASSES) -> tuple[CNN, optax.GradientTransformation, Any]:
+def build(cfg: Mapping[str, Any], num_classes: int = NUM_CLASSES
+          ) -> tuple[CNN, optax.GradientTransformation, Any]:
     """The model, the optimizer and ``apply(params, batch, *, train, rng) -> (logits, labels)``."""
     model = CNN(width=cfg["width"], hidden=cfg["hidden"], num_classes=num_classes,
                 dropout=cfg["dropout"], dtype=_common.DTYPES[cfg["dtype"]])
     tx = optax.adam(cfg["learning_rate"])
 
-    def apply(params: Any, batch: Mapping[str, jax.Array], *, train: bool, rng: Any) -> tuple[jax.Array, jax.Array]:
+    def apply(params: Any, batch: Mapping[str, jax.Array], *, train: bool, rng: Any
+              ) -> tuple[jax.Array, jax.Array]:
         rngs = {"dropout": rng} if rng is not None else {}
         logits = model.apply({"params": params}, batch["image"], train=train, rngs=rngs)
         return logits, batch["label"]

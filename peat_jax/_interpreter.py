@@ -81,7 +81,8 @@ class Loop(NamedTuple):
 
 
 def clean_path(name_stack: str) -> str:
-    """Module path from a name stack: transforms stripped (`transpose(jvp(MLP))/head` -> `MLP/head`)."""
+    """Module path from a name stack: transforms stripped (`transpose(jvp(MLP))/head` ->
+    `MLP/head`)."""
     parts = []
     for comp in name_stack.split("/"):
         m = _TRANSFORM_RE.match(comp)
@@ -289,7 +290,8 @@ def _rebuild(ctx: _Ctx, eqn, invals, base, stack, containers, sides) -> list:
             inner_sides: dict = {}
             return run(j, base, a, inner_sides), inner_sides
 
-        outs, inner_sides = jax.checkpoint(fn, prevent_cse=rm.prevent_cse, policy=rm.policy)(*invals)
+        outs, inner_sides = jax.checkpoint(fn, prevent_cse=rm.prevent_cse,
+                                           policy=rm.policy)(*invals)
         sides.update(inner_sides)
         return list(outs)
     if name == "scan":

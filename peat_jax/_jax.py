@@ -10,8 +10,9 @@ releases it is read through one small accessor here, and a layout that no access
 Releases read before adapting: jax 0.10.2, 0.11.2, 0.12.0.1 (`jax/_src/core.py`,
 `jax/_src/lax/control_flow/loops.py`, `jax/_src/flattree.py`). What changed among them:
 - 0.11: `ClosedJaxpr` became an alias of `Jaxpr` (a jaxpr with its constants attached), and
-  `jax.make_jaxpr` and the container params hold such jaxprs; `jaxpr.jaxpr` returns the jaxpr itself.
-  0.12 removed `jax._src.core.ClosedJaxpr` (the public alias `jax.extend.core.ClosedJaxpr` stays).
+  `jax.make_jaxpr` and the container params hold such jaxprs; `jaxpr.jaxpr` returns the jaxpr
+  itself. 0.12 removed `jax._src.core.ClosedJaxpr` (the public alias `jax.extend.core.ClosedJaxpr`
+  stays).
 - 0.11: `scan` lost `num_consts` / `num_carry` (and `linear`, `_split_transpose`); its operands
   are described by `ft_in` (a FlatTree of (consts, carry, xs)) and its results by `ft_out`.
 - `shard_map` (`jax/_src/shard_map.py`): the same params on all three (`mesh`, `in_specs`,

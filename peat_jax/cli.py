@@ -255,10 +255,13 @@ def cmd_sites(args) -> int:
     t = Table(title=f"{len(sites)} sites in {wl.name}'s train step")
     for col in ("#", "phase", "primitive", "path", "in", "out", "scope"):
         t.add_column(col)
+
+    def types(shapes, dtypes):
+        return ", ".join(f"{np.dtype(d).name}{list(sh)}" for sh, d in zip(shapes, dtypes))
+
     for s in sites:
         t.add_row(str(s.index), s.phase, s.primitive, _esc(s.path),
-                  ", ".join(f"{np.dtype(d).name}{list(sh)}" for sh, d in zip(s.in_shapes, s.in_dtypes)),
-                  ", ".join(f"{np.dtype(d).name}{list(sh)}" for sh, d in zip(s.out_shapes, s.out_dtypes)),
+                  types(s.in_shapes, s.in_dtypes), types(s.out_shapes, s.out_dtypes),
                   _esc("/".join(s.scope)))
     _console().print(t)
     return 0
@@ -292,9 +295,9 @@ def cmd_profile(args) -> int:
     if args.json:
         _print_json(args, out)
     else:
+        resumed = f" (resumed from step {g.resumed_from})" if g.resumed_from is not None else ""
         _say(args, f"golden run of {g.workload}: {g.steps} steps, loss {g.losses[0]:.4f} -> "
-                   f"{g.losses[-1]:.4f}, checkpoints {list(g.checkpoints)}"
-                   + (f" (resumed from step {g.resumed_from})" if g.resumed_from is not None else ""))
+                   f"{g.losses[-1]:.4f}, checkpoints {list(g.checkpoints)}" + resumed)
         _say(args, f"report: {args.out}/report.html")
     return 0
 
@@ -582,8 +585,9 @@ def cmd_demo(args) -> int:
         state = peat.profiler.restore(out, 0)
         sites = peat.list_sites(wl.train_step, state, _batch(wl, 0))
         gemm = [s for s in sites if s.primitive == "dot_general"]
+        n_fwd, n_bwd = (sum(s.phase == phase for s in gemm) for phase in ("fwd", "bwd"))
         _say(args, f"{len(sites)} sites in the train step, {len(gemm)} dot_general "
-                   f"({sum(s.phase == 'fwd' for s in gemm)} fwd, {sum(s.phase == 'bwd' for s in gemm)} bwd)")
+                   f"({n_fwd} fwd, {n_bwd} bwd)")
         campaigns = {"pallas_matmul": peat.kernels.pallas_matmul(),
                      "tile_bug": peat.faults.tile_boundary(block=8, axis=0, mode="garbage")}
         summary["playback"] = {}
@@ -594,11 +598,12 @@ def cmd_demo(args) -> int:
             if not args.json:
                 _console().print(_cells_table(f"playback: {getattr(cand, 'name', name)}", recs))
             first = res.first_divergence()
-            summary["playback"][name] = {"cells": len(recs), "failing": len(res.failing("local")),
-                                         "models": sorted({r["local"]["model"] for r in recs if r["local"]}),
-                                         "first_divergence": first and {k: first[k] for k in
-                                                                        ("checkpoint", "site", "path", "phase")},
-                                         "compiles": res.compiles}
+            where = ("checkpoint", "site", "path", "phase")
+            summary["playback"][name] = {
+                "cells": len(recs), "failing": len(res.failing("local")),
+                "models": sorted({r["local"]["model"] for r in recs if r["local"]}),
+                "first_divergence": first and {k: first[k] for k in where},
+                "compiles": res.compiles}
         rt = peat.runtime(out, {"fwd:dot_general": peat.faults.bit_flip(bit=30)},
                           peat.every(10, offset=5), steps=g.steps, name="runtime-bit30",
                           progress=p.task("runtime injection"))
@@ -659,7 +664,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
 
     def common(sp):
-        sp.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+        sp.add_argument("--json", action="store_true",
+                        help="print one JSON object instead of tables")
         sp.add_argument("--seed", type=int, default=0, help="seed (default 0)")
 
     def processes(sp, playback=False):
@@ -680,7 +686,8 @@ def build_parser() -> argparse.ArgumentParser:
                             help="silence after which a process is taken for dead (default 60)")
 
     d = sub.add_parser("demo", help="the main job on the default workload (start here)")
-    d.add_argument("--out", default="peat-demo", help="run directory to write (default ./peat-demo)")
+    d.add_argument("--out", default="peat-demo",
+                   help="run directory to write (default ./peat-demo)")
     d.add_argument("--workload", default=models.DEFAULT, choices=models.available())
     d.add_argument("--steps", type=_positive, default=60, help="golden training steps (default 60)")
     common(d)
@@ -704,7 +711,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "replays (default: jax's setting; on GPUs XLA's default is TF32)")
 
     def candidate(sp, campaign=True):
-        sp.add_argument("--kernel", help=f"bundled kernel ({', '.join(KERNELS)}) or module:attribute")
+        sp.add_argument("--kernel",
+                        help=f"bundled kernel ({', '.join(KERNELS)}) or module:attribute")
         sp.add_argument("--fault", help='a fault, e.g. "bit_flip(bit=30)" or "scale(2.0)"')
         sp.add_argument("--sites", help="site selector(s), comma-separated (default dot_general)")
         if campaign:
@@ -741,7 +749,8 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("run_dir")
     candidate(rt)
     rt.add_argument("--every", type=_positive, help="fire every N steps")
-    rt.add_argument("--offset", type=int, default=0, help="with --every: fire when step %% N == offset")
+    rt.add_argument("--offset", type=int, default=0,
+                    help="with --every: fire when step %% N == offset")
     rt.add_argument("--at-steps", help="fire at these steps, comma-separated")
     rt.add_argument("--probability", type=float, help="fire with this probability per step")
     rt.add_argument("--steps", type=_positive, help="steps (default: the whole golden run)")

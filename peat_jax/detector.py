@@ -31,9 +31,9 @@ from peat_jax.analyzer import Signature
 from peat_jax.errors import PeatError
 from peat_jax.formats import bit_class, float_format, narrow_formats_like, ulp_at
 
-__all__ = ["CHECK_MODELS", "Diagnosis", "FLOAT64_RULES", "Float64Evidence", "MODELS", "PASSING", "RULES", "Rule",
-           "bitwise_equal", "by_float64", "data_race", "detect", "format_phrase", "narrowed", "only_on_odd_shapes",
-           "severity"]
+__all__ = ["CHECK_MODELS", "Diagnosis", "FLOAT64_RULES", "Float64Evidence", "MODELS", "PASSING",
+           "RULES", "Rule", "bitwise_equal", "by_float64", "data_race", "detect", "format_phrase",
+           "narrowed", "only_on_odd_shapes", "severity"]
 
 MODELS: tuple[str, ...] = taxonomy.MODELS
 """Every model name `detect` can return (`peat_jax.taxonomy`; docs/design.md)."""
@@ -860,8 +860,8 @@ def _approximation(d: Diagnosis, f: Float64Evidence) -> Optional[_Match]:
     """The check fails as low_precision_accumulation by the error's slope or bias (its values
     are not on a narrower grid), or as reduced_precision of the inputs with no narrow format
     fitting, and the candidate, really computing in float64 (`in_float64`), is still off the
-    float64 reference by at least half its error in its own dtype (the difference is in the function computed, e.g.
-    tanh-GELU for the exact GELU or a polynomial exp, not in rounding)."""
+    float64 reference by at least half its error in its own dtype (the difference is in the function
+    computed, e.g. tanh-GELU for the exact GELU or a polynomial exp, not in rounding)."""
     ev = d.evidence
     dense = (d.model == "low_precision_accumulation" and "max_ulp_on_grid" not in ev) or (
         d.model == "reduced_precision" and ev.get("where") == "inputs" and not ev.get("formats"))

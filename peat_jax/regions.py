@@ -75,7 +75,8 @@ def region(name: str, fn: Optional[Callable] = None):
     def wrapped(*args, **kwargs):
         if kwargs:
             raise PeatError(f"region {name!r} takes positional array arguments only; bind "
-                            f"keyword arguments with functools.partial first (got {sorted(kwargs)})")
+                            "keyword arguments with functools.partial first "
+                            f"(got {sorted(kwargs)})")
         leaves, in_tree = jax.tree.flatten(args)
         rid = _register(name, fn, in_tree, tuple(jax.typeof(x) for x in leaves))
         return region_info(rid).fwd(*args)

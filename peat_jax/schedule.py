@@ -132,7 +132,8 @@ def inject(train_step: Callable, substitution: Substitution, schedule: Schedule,
     place: bitwise the plain step on jax 0.10 / 0.11 in the programs measured, within an ULP or
     two on jax 0.12, whose XLA fuses around the switches differently. (One `lax.cond` around the
     whole step was tried: bitwise everywhere, but 6-12x slower on the CNN workload on XLA:CPU,
-    whose convolutions inside a conditional branch do not run at full speed.) A fault's randomness is drawn from `fold_in(key(seed), site, step)`, so
-    each firing step gets its own reproducible pattern.
+    whose convolutions inside a conditional branch do not run at full speed.) A fault's randomness
+    is drawn from `fold_in(key(seed), site, step)`, so each firing step gets its own reproducible
+    pattern.
     """
     return _Injected(train_step, substitution, schedule, primitives=primitives, regions=regions)

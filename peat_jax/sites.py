@@ -61,7 +61,8 @@ class Site:
         outs = ", ".join(_fmt_type(s, d) for s, d in zip(self.out_shapes, self.out_dtypes))
         kind = f"[{self.primitive}]" if self.composite else self.primitive
         where = f" in {'/'.join(self.scope)}" if self.scope else ""
-        return f"#{self.index} {self.phase} {kind} @ {self.path or '<top>'}{where}: ({ins}) -> {outs}"
+        return (f"#{self.index} {self.phase} {kind} @ {self.path or '<top>'}{where}: "
+                f"({ins}) -> {outs}")
 
 
 Selector = Union[int, str, Callable[[Site], bool], Sequence[Any]]
@@ -111,8 +112,8 @@ def _site_of(op: _ip.Op) -> Site:
     path = _ip.clean_path(op.name_stack)
     if op.region is not None:
         name, is_bwd, rid = op.region
-        return Site(op.index, name, path, "bwd" if (is_bwd or "transpose(" in op.name_stack) else "fwd",
-                    in_shapes, in_dtypes, out_shapes, out_dtypes,
+        phase = "bwd" if (is_bwd or "transpose(" in op.name_stack) else "fwd"
+        return Site(op.index, name, path, phase, in_shapes, in_dtypes, out_shapes, out_dtypes,
                     {"region": name, "region_id": rid, "backward": is_bwd}, True, op.containers,
                     op.name_stack, op.repeats)
     phase = "bwd" if "transpose(" in op.name_stack else "fwd"

@@ -4,7 +4,8 @@
 emulate from, and the report colours its cells from: one `ErrorModel` per name, with whether it
 passes, how severe it is and its colour. `TRAINING_OUTCOMES` does the same for what a runtime
 injection did to training, and `STEP_EFFECTS` for what a candidate at one site did to one replayed
-training step (playback's effect). The order of each table is the order of the taxonomy in docs/design.md.
+training step (playback's effect). The order of each table is the order of the taxonomy in
+docs/design.md.
 """
 from __future__ import annotations
 

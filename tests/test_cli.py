@@ -16,7 +16,8 @@ TESTS = pathlib.Path(__file__).resolve().parent
 
 
 def peat(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "peat_jax", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -33,11 +34,13 @@ def demo(tmp_path_factory):
 def test_demo_writes_results_and_a_report_that_agrees(demo):
     out, summary = demo
     assert summary["playback"]["pallas_matmul"]["failing"] == 0
-    assert summary["playback"]["tile_bug"]["failing"] == summary["playback"]["tile_bug"]["cells"] > 0
+    tile_bug = summary["playback"]["tile_bug"]
+    assert tile_bug["failing"] == tile_bug["cells"] > 0
     assert summary["runtime"]["outcome"] != "masked"
     html = (out / "report.html").read_text()
     for camp in ("pallas_matmul", "tile_bug"):
-        records = [json.loads(x) for x in (out / "campaigns" / camp / "results.jsonl").read_text().splitlines()]
+        results = out / "campaigns" / camp / "results.jsonl"
+        records = [json.loads(x) for x in results.read_text().splitlines()]
         for r in records:
             # the grid cell of (checkpoint, site) shows the diagnosis recorded for it
             assert r["local"]["model"] in html

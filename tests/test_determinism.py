@@ -112,7 +112,8 @@ def test_playback_reports_a_nondeterministic_reference_and_does_not_blame_the_ca
     assert set(res.reference_spread) == {0, 3} and min(res.reference_spread.values()) > 0
     recs = res.records()
     assert recs and all(r["local"]["model"] == "exact" for r in recs)
-    assert all(r["effect"]["model"] == "masked" for r in recs), [r["effect"]["summary"] for r in recs]
+    assert all(r["effect"]["model"] == "masked" for r in recs), [r["effect"]["summary"]
+                                                                 for r in recs]
     # the candidate's changes are within the reference's own: its spread is what excused them
     # (a leaf the reference does not spread on may still move within the dtype's rounding)
     effects = [r["effect"] for r in recs]

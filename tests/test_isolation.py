@@ -1,4 +1,5 @@
-"""Failing candidates in playback campaigns: each bad cell is isolated and recorded, the rest run."""
+"""Failing candidates in playback campaigns: each bad cell is isolated and recorded, the rest
+run."""
 from __future__ import annotations
 
 import json
@@ -141,7 +142,8 @@ def test_bad_cell_timeout_is_refused(run):
 
 @pytest.mark.slow
 def test_cli_worker_restarts_after_hangs_and_a_segfault(run, tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-m", "peat_jax", "playback", str(run), "--kernel",
                         "cli_kernels:hang_and_segfault_matmul", "--checkpoints", "20",
                         "--name", "chaos", "--cell-timeout", "5", "--json"],

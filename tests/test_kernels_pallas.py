@@ -160,7 +160,8 @@ def test_pallas_attention_matches_flax_dot_product_attention(shape, dtype):
 def test_jax_pallas_mha_matches_flax_dot_product_attention(dtype):
     q, k, v = (_normal(i, (1, 32, 2, 12), dtype) for i in range(3))
     kernel = pk.jax_pallas_mha(causal=True, block_q=16, block_k=16)
-    fwd, bwd = _fwd_bwd_errors(kernel, functools.partial(references.attention, causal=True), (q, k, v))
+    fwd, bwd = _fwd_bwd_errors(kernel, functools.partial(references.attention, causal=True),
+                               (q, k, v))
     assert fwd <= TOL[dtype] and bwd <= TOL[dtype], (fwd, bwd)
 
 
@@ -206,12 +207,13 @@ def test_sites_a_kernel_cannot_serve_fail_at_substitution():
     assert "[batch, seq, heads, head_dim]" in msg
 
     q4, k4 = _normal(0, (1, 8, 2, 4), jnp.float32), _normal(1, (1, 6, 2, 4), jnp.float32)
-    msg = _selected_error(lambda q, k: attn(q, k, k), {"attention": pk.pallas_attention(causal=True)},
-                          q4, k4)
+    msg = _selected_error(lambda q, k: attn(q, k, k),
+                          {"attention": pk.pallas_attention(causal=True)}, q4, k4)
     assert "equal query and key lengths" in msg
 
     q12 = _normal(0, (1, 24, 2, 4), jnp.float32)
-    msg = _selected_error(lambda q: attn(q, q, q), {"attention": pk.jax_pallas_mha(block_q=16)}, q12)
+    msg = _selected_error(lambda q: attn(q, q, q), {"attention": pk.jax_pallas_mha(block_q=16)},
+                          q12)
     assert "multiples of the blocks" in msg and "q_len=24" in msg
 
     msg = _selected_error(jnp.exp, {"exp": pk.pallas_softmax()}, x)

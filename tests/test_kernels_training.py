@@ -58,7 +58,8 @@ def setup():
 
     state = (params, tx.init(params))
     regions = (nn.LayerNorm,)
-    ref = _losses(jax.jit(peat.substitute(train_step, {}, regions=regions)), state, (tokens, targets))
+    ref = _losses(jax.jit(peat.substitute(train_step, {}, regions=regions)), state,
+                  (tokens, targets))
     return train_step, state, (tokens, targets), regions, ref
 
 

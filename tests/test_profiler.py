@@ -130,7 +130,8 @@ def _curve(n=60, seed=0):
     ("immediate_nan_inf", lambda g: np.where(np.arange(g.size) >= 10, np.nan, g)),
     ("diverged", lambda g: np.where(np.arange(g.size) >= 30, np.inf, g)),
     ("diverged", lambda g: np.where(np.arange(g.size) >= 20, g + 5.0, g)),
-    ("spike_and_recover", lambda g: g + np.where((np.arange(g.size) >= 10) & (np.arange(g.size) < 14), 1.0, 0)),
+    ("spike_and_recover",
+     lambda g: g + np.where((np.arange(g.size) >= 10) & (np.arange(g.size) < 14), 1.0, 0)),
     ("sharp_degrade", lambda g: g + np.where(np.arange(g.size) >= 10, 0.5, 0)),
     ("slow_degrade", lambda g: g + np.clip((np.arange(g.size) - 10) * 0.02, 0, None)),
 ])

@@ -332,9 +332,11 @@ def test_cli_on_a_damaged_checkpoint_prints_the_error_and_no_tracebacks(golden, 
     # runs, sometimes before our line, sometimes split around it: "RuntimeError" and ": Event
     # loop is closed" are separate writes). Those fragments, and only those, are set aside here
     # (a traceback of ours would still show its "File" lines).
-    noise = re.compile(r"Traceback \(most recent call last\):|File \"[^\"]*asyncio/base_events\.py\", "
+    noise = re.compile(r"Traceback \(most recent call last\):"
+                       r"|File \"[^\"]*asyncio/base_events\.py\", "
                        r"line \d+, in (call_soon_threadsafe|_check_closed)|self\._check_closed\(\)"
-                       r"|raise RuntimeError\('Event loop is closed'\)|RuntimeError|: Event loop is closed")
+                       r"|raise RuntimeError\('Event loop is closed'\)"
+                       r"|RuntimeError|: Event loop is closed")
     rest = [line.strip() for line in noise.sub("", r.stderr).splitlines() if line.strip()]
     assert len(rest) == 1, r.stderr[:3000]
     assert rest[0].startswith(f"peat: error: checkpoint {run / 'checkpoints' / '2'} ")

@@ -20,7 +20,8 @@ def _doubling(name: str) -> peat.Kernel:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     path = tmp_path_factory.mktemp("rep") / "run"
-    profile(models.get("vision", batch_size=8, width=4, hidden=8), path, steps=6, checkpoint_every=3)
+    profile(models.get("vision", batch_size=8, width=4, hidden=8), path, steps=6,
+            checkpoint_every=3)
     return path
 
 
@@ -41,7 +42,8 @@ def test_report_lists_verdicts_and_runtime_curves(run):
     assert 'class="grid verdicts"' in page and "wrong_scale" in page
     assert "Runtime injection: same" in page and "masked" in page
     assert page.count('class="fired"') == 3  # steps 0, 2, 4 marked
-    records = [json.loads(x) for x in (run / "campaigns" / "twice" / "results.jsonl").read_text().splitlines()]
+    results = run / "campaigns" / "twice" / "results.jsonl"
+    records = [json.loads(x) for x in results.read_text().splitlines()]
     assert all(r["local"]["model"] == "wrong_scale" for r in records)
     assert "ULP distance" in page and "error mask" in page
     # each cell also says what the candidate did to the step, in training terms

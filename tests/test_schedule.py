@@ -23,7 +23,8 @@ def test_every_at_steps_with_probability_fire_where_they_should():
     assert 850 < len(drawn) < 1150
     assert drawn == peat.with_probability(0.25, seed=1).fired_steps(range(4000))
     assert drawn != peat.with_probability(0.25, seed=2).fired_steps(range(4000))
-    assert _fires(peat.with_probability(0.0)) == [] and len(_fires(peat.with_probability(1.0))) == 40
+    assert _fires(peat.with_probability(0.0)) == []
+    assert len(_fires(peat.with_probability(1.0))) == 40
     assert peat.every(5, 2).fired_steps(range(12)) == [2, 7]
 
 
@@ -69,7 +70,8 @@ def test_inject_fires_only_on_scheduled_steps_with_one_compile(linen_train, mlp_
     assert abs(losses[8] - ref_losses[8]) > 1e-3 * abs(ref_losses[8])
 
     # a schedule that never fires in range keeps the whole run identical
-    never = jax.jit(peat.inject(train_step, {"dot_general": peat.faults.zero()}, peat.at_steps([999])))
+    never = jax.jit(peat.inject(train_step, {"dot_general": peat.faults.zero()},
+                                peat.at_steps([999])))
     final, losses = _run(never, state, mlp_data, 25)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 

@@ -153,7 +153,8 @@ def test_replay_needs_a_checkpoint_before_the_step(runs, tmp_path):
 
 def test_replay_takes_the_workload_object(runs):
     with pytest.raises(peat.PeatError, match=r"workload='other'"):
-        peat.compare(runs["ref"], runs["scaled"], replay=True, workload=_wl()._replace(name="other"))
+        peat.compare(runs["ref"], runs["scaled"], replay=True,
+                     workload=_wl()._replace(name="other"))
     r = peat.compare(runs["ref"], runs["scaled"], replay=True, workload=_wl()).replay
     assert r.diagnosis.model == "wrong_scale" and r.matches_a
 
@@ -285,7 +286,8 @@ def test_a_damaged_chunk_is_an_error_naming_it(tmp_path, damage):
 
 def test_runs_stored_one_file_a_step_still_compare(runs, tmp_path):
     """A run profiled before chunks (one `<step>.npz` a step; sites.json indented, one object a
-    site, no `sample_density`) compares as it did; against a run sampled otherwise the comparison is refused."""
+    site, no `sample_density`) compares as it did; against a run sampled otherwise the comparison is
+    refused."""
     old = {}
     for name in ("ref", "scaled"):
         old[name] = shutil.copytree(runs[name], tmp_path / name)

@@ -113,7 +113,8 @@ def test_region_sites_fwd_and_bwd():
     inner = [s for s in sites if s.path == "softmax"]
     assert {"exp", "reduce_sum", "reduce_max"} <= {s.primitive for s in inner}
     # a marked region computes what the function computes, forward and backward
-    w, x = jax.random.normal(jax.random.key(0), (8, 8)), jax.random.normal(jax.random.key(1), (3, 8))
+    w = jax.random.normal(jax.random.key(0), (8, 8))
+    x = jax.random.normal(jax.random.key(1), (3, 8))
     ref = jax.grad(lambda w: jnp.sum(jax.nn.softmax(x @ w) ** 2))(w)
     assert jnp.allclose(jax.grad(loss)(w, x), ref, rtol=1e-6, atol=1e-7)
 
@@ -124,7 +125,8 @@ def test_flax_module_regions_in_scan_remat_transformer(gpt):
     ln = [s for s in sites if s.composite]
     assert {s.primitive for s in ln} == {"LayerNorm"}
     fwd = [s.path for s in ln if s.phase == "fwd"]
-    assert fwd == ["TinyGPT/blocks/LayerNorm_0", "TinyGPT/blocks/LayerNorm_1", "TinyGPT/LayerNorm_0"]
+    assert fwd == ["TinyGPT/blocks/LayerNorm_0", "TinyGPT/blocks/LayerNorm_1",
+                   "TinyGPT/LayerNorm_0"]
     # LayerNorm inputs: scale, bias (variables) and x
     assert ln[0].in_shapes == ((32,), (32,), (2, 8, 32))
     assert sum(s.phase == "bwd" and len(s.out_shapes) == 3 for s in ln) == 3

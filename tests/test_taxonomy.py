@@ -28,7 +28,8 @@ def test_each_model_names_a_real_fault_and_a_colour():
 
 def test_step_effects_have_their_own_words():
     names = taxonomy.EFFECTS
-    assert len(set(names)) == len(names) and [e.name for e in taxonomy.STEP_EFFECTS if e.passes] == ["masked"]
+    assert len(set(names)) == len(names)
+    assert [e.name for e in taxonomy.STEP_EFFECTS if e.passes] == ["masked"]
     # the step's effect is not described with the local error models' precision words
     assert not {"reduced_precision", "low_precision_accumulation", "exact"} & set(names)
     assert taxonomy.effect_colour("masked") != taxonomy.effect_colour("perturbed")

@@ -122,10 +122,10 @@ def _severity(sig: Signature) -> tuple:
 
 
 def _home(*xs):
-    """The device the statistics run on: that of the first single-device jax array among `xs`,
-    else this process's first device (in a multi-process run `jax.devices()[0]` may be another
-    process's, whose arrays cannot be read here). Every operand is committed to it, so the jitted statistics compile
-    once per (shape, dtype, device): a committed and an uncommitted array of the same shape
+    """The device the statistics run on: that of the first single-device jax array among `xs`, else
+    this process's first device (in a multi-process run `jax.devices()[0]` may be another process's,
+    whose arrays cannot be read here). Every operand is committed to it, so the jitted statistics
+    compile once per (shape, dtype, device): a committed and an uncommitted array of the same shape
     would otherwise be two cache entries, i.e. two ~1.5 s compilations."""
     for x in xs:
         if isinstance(x, jax.Array):

@@ -6,8 +6,6 @@ exact over the whole leaf.
 """
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax import lax

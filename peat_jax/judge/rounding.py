@@ -28,11 +28,11 @@ and per equation from a fixed key:
 
 The samples come in two kinds. In the first `OPERAND_SCALE_SAMPLES` an addition or subtraction
 rounds at the scale of its operands, as above (another association order); in the others it
-rounds only at the scale of its result, ``y * (1 + u * d)`` (its own rounding in this order). Both are
-correct implementations, and they differ where a result feeds a steep function: ``s - max(s)``
-of a softmax over logits of 1e18 moved by ``u |s|`` ~ 1e11 overflows ``exp`` and makes the
-sample non-finite, while the reference's own order computes it exactly (0 for the row's
-maximum). A non-finite element of a sample excuses nothing (the spread is over the finite ones,
+rounds only at the scale of its result, ``y * (1 + u * d)`` (its own rounding in this order). Both
+are correct implementations, and they differ where a result feeds a steep function: ``s - max(s)``
+of a softmax over logits of 1e18 moved by ``u |s|`` ~ 1e11 overflows ``exp`` and makes the sample
+non-finite, while the reference's own order computes it exactly (0 for the row's maximum). A
+non-finite element of a sample excuses nothing (the spread is over the finite ones,
 `analyzer.noise.rounding_floor`), so there the other half's spread stands.
 
 What it can excuse: any difference a correct implementation of the reference's algorithm in the

@@ -1,9 +1,9 @@
 """Candidate kernels: the interface a candidate provides to plug into a site, and adapters.
 
 A `Kernel` (see `peat_jax.kernels.base`) computes a site's outputs from its operands. Adapters
-turn a plain `matmul(a, b)` (`dot_general`), an XLA FFI custom call in C++ or CUDA (`ffi`), a NumPy or PyTorch
-function (`foreign`) or a Pallas call (`pallas`) into one; `references` holds the XLA references
-of the bundled region kernels.
+turn a plain `matmul(a, b)` (`dot_general`), an XLA FFI custom call in C++ or CUDA (`ffi`), a NumPy
+or PyTorch function (`foreign`) or a Pallas call (`pallas`) into one; `references` holds the XLA
+references of the bundled region kernels.
 """
 from peat_jax.kernels import ffi, foreign, pallas, references
 from peat_jax.kernels.base import Kernel

@@ -42,7 +42,9 @@ def dot_precision(value: Any) -> jax.lax.Precision:
 def precision_suffix(precision: jax.lax.Precision) -> str:
     """What a kernel's name adds for its dot precision: nothing for the default, full float32
     (HIGHEST), else ", precision='default'" (or 'high')."""
-    return "" if precision == jax.lax.Precision.HIGHEST else f", precision={precision.name.lower()!r}"
+    if precision == jax.lax.Precision.HIGHEST:
+        return ""
+    return f", precision={precision.name.lower()!r}"
 
 
 def check_block(name: str, value: Any) -> int:
@@ -65,7 +67,8 @@ def _is_float(dtype) -> bool:
 
 
 def float_reason(what: str, dtypes: Sequence[Any],
-                 allowed: Sequence[Any] = (jnp.float32, jnp.bfloat16, jnp.float16)) -> Optional[str]:
+                 allowed: Sequence[Any] = (jnp.float32, jnp.bfloat16, jnp.float16)
+                 ) -> Optional[str]:
     """None if every dtype is one of `allowed`, else the reason naming the first that is not."""
     names = {np.dtype(d).name for d in allowed}
     for d in dtypes:

@@ -572,7 +572,8 @@ def _comparison_name(run_b: str) -> str:
 def save_comparison(comparison: Comparison) -> str:
     """Write `comparison.to_dict()` to `<run_a>/comparisons/<name of run_b>.json` (read by the
     report); returns the path."""
-    path = RunDir(comparison.run_a).path / "comparisons" / f"{_comparison_name(comparison.run_b)}.json"
+    name = _comparison_name(comparison.run_b)
+    path = RunDir(comparison.run_a).path / "comparisons" / f"{name}.json"
     atomic_write_json(path, comparison.to_dict())
     return str(path)
 

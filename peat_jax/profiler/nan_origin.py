@@ -136,7 +136,8 @@ def step_nan_origin(train_step, state, batch, step: int, *,
     traced, _ = fn.prepare((state, batch), {})
 
     def rules_for(traced, chosen):
-        active = make_rules(traced, chosen, lambda site: None, step_fault_key(step)) if fired else {}
+        active = (make_rules(traced, chosen, lambda site: None, step_fault_key(step))
+                  if fired else {})
         # a region is watched through the sites inside it, unless the candidate replaces it
         return {s.index: _watching(s, active.get(s.index)) for s in traced.sites
                 if not s.composite or s.index in active}

@@ -247,7 +247,8 @@ def batch_stats(xs: Sequence[jax.Array], sampling: Sampling = Sampling()) -> Sit
     lengths = lambda idx: [len(sample_indices(xs[i].size, sampling)) for i in idx]  # noqa: E731
     parts = [(g, lengths(g), _blocked_stats([xs[i] for i in g], sampling)) for g in groups]
     if alone:
-        parts.append((alone, lengths(alone), _stacked([site_stats(xs[i], sampling) for i in alone])))
+        parts.append((alone, lengths(alone),
+                      _stacked([site_stats(xs[i], sampling) for i in alone])))
     return _in_order(parts)
 
 
@@ -379,7 +380,8 @@ def describe_sites(sites: Sequence[Site], sampling: Sampling = Sampling()) -> li
         dtype = s.out_dtypes[k if k is not None else 0] if s.out_dtypes else "none"
         m = len(sample_indices(math.prod(shape), sampling)) if k is not None else 0
         out.append(StatsSite(index=s.index, primitive=s.primitive, path=s.path, phase=s.phase,
-                             shape=shape, dtype=str(np.dtype(dtype)) if _numeric(dtype) else str(dtype),
+                             shape=shape,
+                             dtype=str(np.dtype(dtype)) if _numeric(dtype) else str(dtype),
                              output=k if k is not None else -1, repeats=s.repeats,
                              recorded=k is not None, sample_size=m, offset=offset,
                              reduction_length=_reduction_length(s)))

@@ -32,11 +32,12 @@ class Workload(NamedTuple):
 
     Attributes:
       name: short identifier, recorded in a run directory's manifest.
-      init: ``init(key) -> state``; the full train state (params, optimizer state, step, RNG) as a pytree.
-      train_step: ``train_step(state, batch) -> (state, metrics)``; pure and jittable; ``metrics`` is a
-        dict of scalars that contains ``"loss"``.
-      batch: ``batch(step: int) -> pytree``; deterministic in ``step`` so that any step can be replayed
-        without storing data.
+      init: ``init(key) -> state``; the full train state (params, optimizer state, step, RNG) as a
+        pytree.
+      train_step: ``train_step(state, batch) -> (state, metrics)``; pure and jittable; ``metrics``
+        is a dict of scalars that contains ``"loss"``.
+      batch: ``batch(step: int) -> pytree``; deterministic in ``step`` so that any step can be
+        replayed without storing data.
       evaluate: optional ``evaluate(state) -> dict[str, float]`` (held-out metrics).
       config: the settings that built it (recorded in the manifest; JSON-serialisable).
     """

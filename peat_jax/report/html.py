@@ -26,14 +26,19 @@ from peat_jax.report.plots import bar_chart, line_chart, mask_image
 __all__ = ["write_report", "render_report"]
 
 _CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:24px;color:#222;max-width:1200px}
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:24px;color:#222;
+max-width:1200px}
 h1{font-size:22px}h2{font-size:18px;margin-top:32px;border-bottom:1px solid #ddd}h3{font-size:15px}
-table{border-collapse:collapse;margin:8px 0;font-size:13px}td,th{border:1px solid #ddd;padding:3px 6px}
-th{background:#f5f5f5;text-align:left}.grid td{text-align:center;min-width:70px;color:#fff;font-size:11px}
-.grid td.none{background:#bbb}.heat td{min-width:10px;height:12px;padding:0}.pass{color:#2e7d32;font-weight:600}.fail{color:#c62828;font-weight:600}
+table{border-collapse:collapse;margin:8px 0;font-size:13px}
+td,th{border:1px solid #ddd;padding:3px 6px}
+th{background:#f5f5f5;text-align:left}
+.grid td{text-align:center;min-width:70px;color:#fff;font-size:11px}
+.grid td.none{background:#bbb}.heat td{min-width:10px;height:12px;padding:0}
+.pass{color:#2e7d32;font-weight:600}.fail{color:#c62828;font-weight:600}
 .plot{margin:6px 12px 6px 0;border:1px solid #eee;background:#fff}
-.plots{display:flex;flex-wrap:wrap;align-items:flex-start;margin-top:6px}.cell{margin:16px 0;padding:8px;
-border-left:4px solid #c62828;background:#fafafa}code{font-size:12px}.muted{color:#777}
+.plots{display:flex;flex-wrap:wrap;align-items:flex-start;margin-top:6px}
+.cell{margin:16px 0;padding:8px;border-left:4px solid #c62828;background:#fafafa}
+code{font-size:12px}.muted{color:#777}
 """
 
 
@@ -49,12 +54,14 @@ def _colour(diag: Optional[dict]) -> str:
 
 
 def _table(rows: list[tuple[str, Any]]) -> str:
-    return "<table>" + "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows) + "</table>"
+    body = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
+    return "<table>" + body + "</table>"
 
 
 def _manifest_section(m: dict) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in (m.get("versions") or {}).items() if v)
-    rows = [("workload", m.get("workload")), ("config", json.dumps(m.get("config"), sort_keys=True)),
+    rows = [("workload", m.get("workload")),
+            ("config", json.dumps(m.get("config"), sort_keys=True)),
             ("seed", m.get("seed")), ("steps", m.get("steps")),
             ("checkpoint every", m.get("checkpoint_every")), ("backend", m.get("backend")),
             ("device kind", m.get("device_kind")), ("versions", versions),
@@ -104,12 +111,14 @@ def _playback_section(name: str, records: list[dict]) -> str:
                 _e(x) for x in (local and label, effect and f"step: {effect.model}") if x)
             cells.append(f'<td style="background:{colour}" title="{_e(tip)}">{text}</td>')
         rows.append(f"<tr><th>#{_e(s)} {_e(r0.get('phase', ''))} {_e(r0.get('primitive', ''))}"
-                    f" <span class='muted'>{_e(r0.get('path', ''))}</span></th>{''.join(cells)}</tr>")
+                    f" <span class='muted'>{_e(r0.get('path', ''))}</span></th>"
+                    f"{''.join(cells)}</tr>")
     out = [f'<h2 id="campaign-{_e(name)}">Playback campaign: {_e(name)}</h2>',
-           f"<p>Candidate: <code>{_e(records[0].get('candidate', '?'))}</code>. Each cell replays the "
-           "checkpointed step with the candidate at one site; colour = local diagnosis at the site "
-           "(green passes, amber numeric, red fault or bug, purple: the candidate crashed or timed "
-           "out); below it, the effect on the step (masked: within the golden's own noise).</p>",
+           f"<p>Candidate: <code>{_e(records[0].get('candidate', '?'))}</code>. Each cell "
+           "replays the checkpointed step with the candidate at one site; colour = local diagnosis "
+           "at the site (green passes, amber numeric, red fault or bug, purple: the candidate "
+           "crashed or timed out); below it, the effect on the step (masked: within the golden's "
+           "own noise).</p>",
            f'<table class="grid verdicts"><tr><th>site</th>{head}</tr>{"".join(rows)}</table>']
     failing = [r for r in records if r.get("local") and not r["local"].get("passed", True)]
     crashed = [r for r in records if r.get("status") in ("crashed", "timeout")]
@@ -129,7 +138,8 @@ def _playback_section(name: str, records: list[dict]) -> str:
 def _failing_cell(r: dict) -> str:
     local = r["local"]
     parts = [f'<div class="cell"><b>step {_e(r["checkpoint"])}, site #{_e(r["site"])} '
-             f'{_e(r.get("phase", ""))} {_e(r.get("primitive", ""))} @ {_e(r.get("path", ""))}</b>: '
+             f'{_e(r.get("phase", ""))} {_e(r.get("primitive", ""))} '
+             f'@ {_e(r.get("path", ""))}</b>: '
              f'<span class="fail">{_e(local.get("summary", local.get("model")))}</span>'
              '<div class="plots">']
     sig = r.get("local_signature") or {}
@@ -140,7 +150,8 @@ def _failing_cell(r: dict) -> str:
     if sig.get("bit_histogram"):
         b = sig["bit_histogram"]
         cls = sig.get("bit_classes") or []
-        colours = [{"sign": "#d62728", "exponent": "#ff7f0e"}.get(c, "#1f77b4") for c in cls] or None
+        palette = {"sign": "#d62728", "exponent": "#ff7f0e"}
+        colours = [palette.get(c, "#1f77b4") for c in cls] or None
         parts.append(bar_chart(b, title="differing bit positions (red sign, orange exponent)",
                                labels=[str(i) for i in range(len(b))], colors=colours))
     if sig.get("mask"):
@@ -169,7 +180,8 @@ def _effect_part(eff: Optional[Effect]) -> str:
            f"{_e(eff.model)}</b> &mdash; {_e(rest if head == eff.model else eff.summary)}</p>")
     if eff.passed or not eff.leaf:
         return out
-    rows = [("moved (most first)", ", ".join(eff.moved[:8]) + (" ..." if len(eff.moved) > 8 else "")),
+    rows = [("moved (most first)",
+             ", ".join(eff.moved[:8]) + (" ..." if len(eff.moved) > 8 else "")),
             (f"{eff.leaf}: change / the golden's noise", f"{eff.noise_ratio:.3g}x "
              f"({eff.change:.3g} vs {eff.noise:.3g} relative)")]
     if eff.update_change is not None:
@@ -189,7 +201,8 @@ def _runtime_section(name: str, res: dict) -> str:
             "non-finite at the first step whose loss or new state was.</p>" if origin else "")
     return (f'<h2 id="runtime-{_e(name)}">Runtime injection: {_e(name)}</h2><p>Outcome: '
             f"<span class='{'pass' if ok else 'fail'}'>{_e(res.get('outcome'))}</span>; schedule "
-            f"<code>{_e(res.get('schedule'))}</code>, fired at {len(res.get('fired_steps', []))} steps "
+            f"<code>{_e(res.get('schedule'))}</code>, "
+            f"fired at {len(res.get('fired_steps', []))} steps "
             f"(dashed lines); noise band {_e(round(res.get('band', 0), 6))}.</p>{born}{chart}"
             + _table([(k, v) for k, v in (res.get("evidence") or {}).items()]))
 
@@ -251,7 +264,8 @@ def render_report(run_dir: PathLike) -> str:
              f"<h1>peat_jax report: {_e(m.get('workload'))}</h1>", _manifest_section(m)]
     if golden:
         parts.append("<h2>Golden run</h2>" + line_chart({"golden loss": golden},
-                                                         title="golden training loss", ylabel="loss"))
+                                                         title="golden training loss",
+                                                         ylabel="loss"))
     if rd.eval_path.exists():
         try:
             ev = json.loads(rd.eval_path.read_text())

@@ -47,11 +47,13 @@ def line_chart(series: Mapping[str, Sequence[float]], *, title: str, markers: Se
     for t in _ticks(lo, hi):
         ty = _H - _PAD - (_H - 2 * _PAD) * ((t - lo) / (hi - lo))
         label = f"{10 ** t:.3g}" if log else f"{t:.3g}"
-        out.append(f'<text x="{_PAD - 4}" y="{ty + 4:.1f}" text-anchor="end" font-size="10">{label}</text>')
+        out.append(f'<text x="{_PAD - 4}" y="{ty + 4:.1f}" text-anchor="end" '
+                   f'font-size="10">{label}</text>')
     for t in _ticks(0, n - 1):
         out.append(f'<text x="{x(t):.1f}" y="{_H - _PAD + 14}" text-anchor="middle" '
                    f'font-size="10">{int(round(t))}</text>')
-    out.append(f'<text x="{_W / 2}" y="{_H - 6}" text-anchor="middle" font-size="11">{_esc(xlabel)}</text>')
+    out.append(f'<text x="{_W / 2}" y="{_H - 6}" text-anchor="middle" '
+               f'font-size="11">{_esc(xlabel)}</text>')
     if ylabel:
         out.append(f'<text x="12" y="{_H / 2}" font-size="11" transform="rotate(-90 12 {_H / 2})" '
                    f'text-anchor="middle">{_esc(ylabel)}</text>')
@@ -99,7 +101,8 @@ def bar_chart(values: Sequence[float], *, title: str, labels: Optional[Sequence[
         lab = labels[i] if labels else str(i)
         out.append(f'<text x="{_PAD + (i + 0.5) * bw:.1f}" y="{_H - _PAD + 14}" font-size="9" '
                    f'text-anchor="middle">{_esc(lab)}</text>')
-    out.append(f'<text x="{_PAD}" y="{_PAD - 6}" font-size="10">max {max([0] + [v for v in values if v is not None and math.isfinite(v)]):g}'
+    peak = max([0] + [v for v in values if v is not None and math.isfinite(v)])
+    out.append(f'<text x="{_PAD}" y="{_PAD - 6}" font-size="10">max {peak:g}'
                f'{" (log scale)" if log else ""}</text></svg>')
     return "".join(out)
 
@@ -120,7 +123,8 @@ def mask_image(mask: Sequence[Sequence[float]], *, title: str, cell: int = 0) ->
         for j, v in enumerate(row):
             if v and v > 0:
                 a = min(1.0, max(0.15, float(v)))
-                out.append(f'<rect x="{j * cell}" y="{20 + i * cell}" width="{cell}" height="{cell}" '
-                           f'fill="#a50f15" fill-opacity="{a:.2f}"/>')
-    out.append(f'<rect x="0" y="20" width="{w}" height="{rows * cell}" fill="none" stroke="#999"/></svg>')
+                out.append(f'<rect x="{j * cell}" y="{20 + i * cell}" width="{cell}" '
+                           f'height="{cell}" fill="#a50f15" fill-opacity="{a:.2f}"/>')
+    out.append(f'<rect x="0" y="20" width="{w}" height="{rows * cell}" fill="none" '
+               'stroke="#999"/></svg>')
     return "".join(out)

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["attention_bhsd", "attention_bshd", "binary_cross_entropy", "cross_entropy_dense",
-           "cross_entropy_integer", "gelu_exact", "gelu_tanh", "layer_norm", "masked_attention_bhsd",
-           "masked_cross_entropy", "mha_self_attention", "rms_norm", "rope_half_split",
-           "rope_interleaved"]
+           "cross_entropy_integer", "gelu_exact", "gelu_tanh", "layer_norm",
+           "masked_attention_bhsd", "masked_cross_entropy", "mha_self_attention", "rms_norm",
+           "rope_half_split", "rope_interleaved"]
 
 
 def _softmax_attention(logits, v_einsum, v, mask=None):

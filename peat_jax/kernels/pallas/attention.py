@@ -259,7 +259,8 @@ def _backward(q, k, v, m, l, do, cfg: _Config):
     )(qp, kp, vp, dop, m, l)
     dk, dv = _interp.call(
         functools.partial(_dkv_body, nq=nq, **common),
-        out_shape=(jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)),
+        out_shape=(jax.ShapeDtypeStruct(kp.shape, k.dtype),
+                   jax.ShapeDtypeStruct(vp.shape, v.dtype)),
         grid=(g.batch, g.heads, nk),
         in_specs=[blk(g.q_pad, lambda b, h, j: (b, 0, h, 0)),
                   blk(g.bk, lambda b, h, j: (b, j, h, 0)),
@@ -267,7 +268,8 @@ def _backward(q, k, v, m, l, do, cfg: _Config):
                   blk(g.q_pad, lambda b, h, j: (b, 0, h, 0)),
                   row(g.q_pad, lambda b, h, j: (b, h, 0)), row(g.q_pad, lambda b, h, j: (b, h, 0)),
                   row(g.q_pad, lambda b, h, j: (b, h, 0))],
-        out_specs=(blk(g.bk, lambda b, h, j: (b, j, h, 0)), blk(g.bk, lambda b, h, j: (b, j, h, 0))),
+        out_specs=(blk(g.bk, lambda b, h, j: (b, j, h, 0)),
+                   blk(g.bk, lambda b, h, j: (b, j, h, 0))),
         dimension_semantics=sem, name="peat_pallas_attention_dkv", interpret=cfg.interpret,
         checks=cfg.checks,
     )(qp, kp, vp, dop, m, l, delta)
@@ -317,7 +319,8 @@ def attention_supports(name: str, site, *, causal: bool) -> Optional[str]:
         return (f"{name} replaces an attention(q, k, v) region, not the primitive site "
                 f"{site.primitive!r}")
     if len(args) != 3 or not all(isinstance(a, jax.ShapeDtypeStruct) for a in args):
-        return f"{name} needs a region attention(q, k, v) of three arrays, got {len(args)} arguments"
+        return (f"{name} needs a region attention(q, k, v) of three arrays, got {len(args)} "
+                "arguments")
     q, k, v = args
     if any(len(a.shape) != 4 for a in args):
         return (f"{name} needs q, k, v as [batch, seq, heads, head_dim], got shapes "

@@ -260,10 +260,10 @@ _jax.debug_callback_logger().addFilter(_WithoutRaceTracebacks())
 def _check_races(name: str, *_):
     # runs after the kernel: its output is this callback's operand
     if races_found():
-        raise DataRaceError(f"data race detected in Pallas kernel {name!r} by the interpreter's race "
-                        "detector: two grid points on different cores accessed the same memory "
-                        "with at least one write (is a reduction or revisited output dimension "
-                        "marked 'parallel'?)")
+        raise DataRaceError(f"data race detected in Pallas kernel {name!r} by the interpreter's "
+                            "race detector: two grid points on different cores accessed the same "
+                            "memory with at least one write (is a reduction or revisited output "
+                            "dimension marked 'parallel'?)")
 
 
 def _race_guard(out, name: str):
