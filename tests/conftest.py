@@ -2,6 +2,8 @@
 Equinox and plain jax, and a 2-layer transformer with nn.scan + nn.remat."""
 from __future__ import annotations
 
+import shutil
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -171,3 +173,12 @@ def small_vision_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("vision") / "run"
     profile(wl, path, steps=60, checkpoint_every=20)
     return path
+
+
+@pytest.fixture
+def own_run(small_vision_run, tmp_path):
+    """A copy of `small_vision_run` without its campaigns, for a test that writes into it."""
+    dest = tmp_path / "run"
+    shutil.copytree(small_vision_run, dest, ignore=shutil.ignore_patterns("campaigns",
+                                                                          "report.html"))
+    return dest

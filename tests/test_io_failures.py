@@ -44,15 +44,6 @@ def vision():
     return models.get("vision", **CONFIG)
 
 
-@pytest.fixture
-def own_run(small_vision_run, tmp_path):
-    """A copy of the shared small vision run (checkpoints 0, 20, 40, 60), without campaigns."""
-    dest = tmp_path / "run"
-    shutil.copytree(small_vision_run, dest, ignore=shutil.ignore_patterns("campaigns",
-                                                                          "report.html"))
-    return dest
-
-
 def test_oserror_is_found_behind_orbax_and_tensorstore_exceptions():
     e = as_oserror(_tensorstore_full("/r/checkpoints/4.orbax-checkpoint-tmp/default"))
     want = "/r/checkpoints/4.orbax-checkpoint-tmp/default/_sharding.__lock"

@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -43,15 +42,6 @@ def vision():
 def run(small_vision_run):
     """The shared small vision run: the tests here leave it as they found it."""
     return small_vision_run
-
-
-@pytest.fixture
-def own_run(small_vision_run, tmp_path):
-    """A copy of the shared run, without its campaigns, for the tests that write."""
-    dest = tmp_path / "run"
-    shutil.copytree(small_vision_run, dest, ignore=shutil.ignore_patterns("campaigns",
-                                                                          "report.html"))
-    return dest
 
 
 def _dead_pid() -> int:
