@@ -178,3 +178,30 @@ def test_an_lse_attention_backward_passes_and_a_bug_in_it_fails():
     bad = peat.check_kernel(_lse_attention(1.001), jax.jit(_attention), q, k, v,
                             variants=variants)
     assert not bad.passed, bad.summary
+
+
+def test_a_softmax_over_huge_logits_still_has_a_floor():
+    """Over logits of ~1e18, additions rounded at their operands' scale move s - max(s) by
+    ~1e11 and overflow exp: those samples are not finite. The samples whose additions round at
+    their result's scale stay finite, so the floor is not empty."""
+    from peat_jax.judge.rounding import OPERAND_SCALE_SAMPLES
+    logits = jnp.asarray((RNG.standard_normal((8, 16)) * 1e18).astype(np.float32))
+    samples = np.asarray(rounding_samples(lambda s: jax.nn.softmax(s, axis=-1), (logits,), 0))
+    finite = np.isfinite(samples).all(axis=(1, 2))
+    assert not finite[:OPERAND_SCALE_SAMPLES].any()
+    assert finite[OPERAND_SCALE_SAMPLES:].all()
+    r64 = _float64(lambda s: jax.nn.softmax(s, axis=-1), np.asarray(logits))
+    assert np.allclose(samples[OPERAND_SCALE_SAMPLES:], r64[None], atol=1e-6)
+
+
+def test_check_kernel_differentiates_only_the_positions_asked_for():
+    def loss(x, t):
+        return jnp.mean(jnp.square(x - t))
+    x, t = jnp.asarray(A[:4, :8]), jnp.asarray(B[:4, :8])
+    d = peat.check_kernel(loss, loss, x, t, backward=(0,), variants="example", repeats=1)
+    outputs = {c[1] for c in d.evidence["checks"]}
+    assert "grad[0]" in outputs and "grad[1]" not in outputs, outputs
+    both = peat.check_kernel(loss, loss, x, t, variants="example", repeats=1)
+    assert {"grad[0]", "grad[1]"} <= {c[1] for c in both.evidence["checks"]}
+    with pytest.raises(PeatError, match=r"argument\(s\) \[2\] hold no floats"):
+        peat.check_kernel(loss, loss, x, t, backward=(2,))
