@@ -166,7 +166,13 @@ def _positions(args: tuple, backward: Union[bool, Sequence[int]]) -> tuple[int, 
     floats = _float_positions(args)
     if isinstance(backward, (bool, np.bool_)):
         return floats if backward else ()
-    wanted = tuple(int(i) for i in backward)
+    if isinstance(backward, (int, np.integer)):
+        backward = (backward,)
+    try:
+        wanted = tuple(int(i) for i in backward)
+    except (TypeError, ValueError):
+        raise PeatError(f"backward must be True, False or a sequence of argument positions, got "
+                        f"{backward!r}") from None
     bad = [i for i in wanted if i not in floats]
     if bad:
         raise PeatError(f"backward={tuple(backward)!r}: argument(s) {bad} hold no floats to "

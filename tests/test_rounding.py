@@ -205,3 +205,7 @@ def test_check_kernel_differentiates_only_the_positions_asked_for():
     assert {"grad[0]", "grad[1]"} <= {c[1] for c in both.evidence["checks"]}
     with pytest.raises(PeatError, match=r"argument\(s\) \[2\] hold no floats"):
         peat.check_kernel(loss, loss, x, t, backward=(2,))
+    with pytest.raises(PeatError, match="a sequence of argument positions, got 'x'"):
+        peat.check_kernel(loss, loss, x, t, backward="x")
+    one = peat.check_kernel(loss, loss, x, t, backward=1, variants="example", repeats=1)
+    assert {c[1] for c in one.evidence["checks"]} == {"forward", "grad[1]"}
