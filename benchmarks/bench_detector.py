@@ -145,12 +145,12 @@ def third_party_table(rows, skipped) -> str:
 
 
 class _Timed:
-    """Wraps `check.rounding_samples` (what `check_kernel` calls for the rounding floor) and
-    adds up the seconds spent in it."""
+    """Wraps `check.judging.rounding_samples` (what `check_kernel` calls for the rounding
+    floor) and adds up the seconds spent in it."""
 
     def __init__(self):
-        import peat_jax.check as check
-        self.check, self.inner, self.seconds = check, check.rounding_samples, 0.0
+        from peat_jax.check import judging
+        self.check, self.inner, self.seconds = judging, judging.rounding_samples, 0.0
 
     def __enter__(self):
         def timed(*args, **kwargs):

@@ -179,3 +179,13 @@ def widened_eqn(eqn) -> Callable:
 
     shadow.__name__ = shadow.__qualname__ = f"{eqn.primitive.name}_float64"
     return jax.jit(shadow)
+
+
+def traced_eqn(eqn) -> Callable:
+    """One equation of a jaxpr as ``fn(*operands) -> list of outputs`` at its own dtypes,
+    exactly as traced (not jitted: what Monte Carlo arithmetic, `judge.rounding`, traces)."""
+    def op(*operands):
+        return _jax.bind(eqn, operands)
+
+    op.__name__ = op.__qualname__ = eqn.primitive.name
+    return op

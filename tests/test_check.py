@@ -130,9 +130,9 @@ def test_a_jitted_candidate_compiles_one_program_per_new_shape(paired, monkeypat
     """Its forward and backward as one program (eagerly, `jax.vjp` of a jitted function
     compiles a linearised forward and a transposed backward, and its plain call one more);
     small, the example's shapes and the odd variant's as one program (`_Pairing`)."""
-    from peat_jax import check
+    from peat_jax.check import programs
     if not paired:
-        monkeypatch.setattr(check, "PAIR_MAX_ELEMENTS", 0)
+        monkeypatch.setattr(programs, "PAIR_MAX_ELEMENTS", 0)
     compiled = []
 
     class Compiles(logging.Handler):
@@ -476,7 +476,7 @@ def _pallas_mm():
 def test_the_paired_program_computes_what_each_shape_computes_alone():
     """Each half of the pair program is bitwise the program of that shape alone (forward,
     forward under vjp, gradients): pairing changes what is compiled, not what is computed."""
-    from peat_jax import check
+    from peat_jax.check import programs
     cand = _pallas_mm()
     rng = np.random.default_rng(0)
     halves = []
@@ -485,9 +485,9 @@ def test_the_paired_program_computes_what_each_shape_computes_alone():
         args = (jnp.asarray(rng.standard_normal((m, k)), jnp.float32),
                 jnp.asarray(rng.standard_normal((k, n)), jnp.float32))
         halves.append((args, jnp.asarray(rng.standard_normal((m, n)), jnp.float32)))
-    paired = check._jitted_pair(cand, (0, 1))(halves[0], halves[1])
+    paired = programs.jitted_pair(cand, (0, 1))(halves[0], halves[1])
     for half, together in zip(halves, paired):
-        alone = check._jitted_vjp(cand, (0, 1), True)(*half)
+        alone = programs.jitted_vjp(cand, (0, 1), True)(*half)
         for x, y in zip(jax.tree_util.tree_leaves(alone), jax.tree_util.tree_leaves(together)):
             assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
 
@@ -496,18 +496,18 @@ def test_a_small_check_builds_the_candidate_once_for_both_shapes(monkeypatch):
     """A jitted candidate checked on small inputs compiles one program for the example's shapes
     and the odd variant's (not one each), and the check's verdict and every check's model are
     those of the check without pairing."""
-    from peat_jax import check
+    from peat_jax.check import programs
     a = np.random.default_rng(1).standard_normal((16, 24)).astype(np.float32)
     b = np.random.default_rng(2).standard_normal((24, 8)).astype(np.float32)
     cand = _pallas_mm()
     paired = check_kernel(cand, ref, a, b)
-    assert cache_size(check._jitted_pair(cand, (0, 1))) == 1
-    assert cache_size(check._jitted_vjp(cand, (0, 1), True)) == 0
-    monkeypatch.setattr(check, "PAIR_MAX_ELEMENTS", 0)
+    assert cache_size(programs.jitted_pair(cand, (0, 1))) == 1
+    assert cache_size(programs.jitted_vjp(cand, (0, 1), True)) == 0
+    monkeypatch.setattr(programs, "PAIR_MAX_ELEMENTS", 0)
     alone_cand = _pallas_mm()
     alone = check_kernel(alone_cand, ref, a, b)
-    assert cache_size(check._jitted_pair(alone_cand, (0, 1))) == 0
-    assert cache_size(check._jitted_vjp(alone_cand, (0, 1), True)) == 2
+    assert cache_size(programs.jitted_pair(alone_cand, (0, 1))) == 0
+    assert cache_size(programs.jitted_vjp(alone_cand, (0, 1), True)) == 2
     assert (paired.model, paired.passed) == (alone.model, alone.passed)
     assert paired.evidence["checks"] == alone.evidence["checks"]
 

@@ -59,7 +59,7 @@ import numpy as np
 from jax import lax
 
 from peat_jax import formats, taxonomy
-from peat_jax.check import REFERENCE_SPREAD_FACTOR
+from peat_jax.judge.reference_spread import REFERENCE_SPREAD_FACTOR
 
 __all__ = ["FIT_TOLERANCE", "PSEUDO_FACTOR", "PSEUDO_SAMPLES", "PSEUDO_SEED", "ROUNDING_ULPS",
            "Effect", "PseudoSpread", "diagnose_effect", "effect_tree", "moved_leaves",

@@ -32,8 +32,8 @@ import numpy as np
 
 from peat_jax import _jax, formats
 from peat_jax.analyzer import Signature, analyze
-from peat_jax.check import conditioning_spread, float64_evidence
-from peat_jax.detector import Diagnosis, by_float64, detect
+from peat_jax.judge.site import NoFloat64Candidate, SiteOp, judge_site
+from peat_jax.detector import Diagnosis, detect
 from peat_jax.errors import PeatError
 from peat_jax.kernels.base import Kernel
 from peat_jax.precision import at_matmul_precision, with_callers_precision
@@ -46,7 +46,7 @@ from peat_jax.profiler.lock import campaign_writer
 from peat_jax.profiler.replay import Replay, Taps, error_line
 from peat_jax.profiler.rundir import PathLike, RunDir, recorded_precision
 from peat_jax.profiler.workload import Workload
-from peat_jax.promote import widened_eqn
+from peat_jax.promote import traced_eqn, widened_eqn
 from peat_jax.sites import Site, Traced, Tracer, reduction_length, select
 from peat_jax.substitute import Candidate, Substitution, call_kernel, resolve
 
@@ -302,7 +302,7 @@ class _Run:
     progress: Optional[Callable[[int, int], None]]
     count: int = 0  # cells done: finished here, resumed, or another host's
     cells: dict[tuple[int, int], Cell] = dataclasses.field(default_factory=dict)
-    shadows: dict[int, Callable] = dataclasses.field(default_factory=dict)  # site -> float64 op
+    shadows: dict[int, SiteOp] = dataclasses.field(default_factory=dict)  # site -> its op
 
     def candidate(self, site: Site) -> str:
         return getattr(self.chosen[site.index], "name", "?")
@@ -333,7 +333,7 @@ def _play_checkpoint(run: _Run, c: int, todo: Sequence[Site], state, batch) -> f
         if s.index in crashed:
             run.finish(run.failed(c, s, "crashed", crashed[s.index]))
     groups = run.replay.groups([s for s in todo if s.index not in crashed])
-    judge = _Float64Judge(run, c, state, batch)
+    judge = _SiteJudge(run, c, state, batch)
     for group, outs in _outputs(run, c, groups, state, batch):
         steps = _pseudo_errors(run, group, golden, outs, ref_spread, state, batch)
         for s in group:
@@ -455,7 +455,7 @@ def _with_time_limit(fn, seconds: float):
 
 
 def _diagnosed(run: _Run, c: int, site: Site, golden, outs, ref_spread, before,
-               judge: Optional["_Float64Judge"] = None, changes: Optional[dict] = None,
+               judge: Optional["_SiteJudge"] = None, changes: Optional[dict] = None,
                pseudo: Optional[PseudoSpread] = None) -> Cell:
     """The cell of `site` diagnosed from its replay's outputs; a crashed cell where running the
     replay raised (`outs` is then the exception) or its outputs cannot be read."""
@@ -503,7 +503,7 @@ def _cell_from_record(rec: dict, site: Site) -> Cell:
 
 
 def _cell(checkpoint: int, site: Site, candidate: str, golden, got, ref_spread=None,
-          before=None, judge: Optional["_Float64Judge"] = None,
+          before=None, judge: Optional["_SiteJudge"] = None,
           pseudo: Optional[PseudoSpread] = None, changes: Optional[dict] = None) -> Cell:
     """The diagnosed cell: `golden` and `got` are the golden and the candidate's replay
     outputs (new state, metrics, Taps); `before` the state the step started from; `judge`
@@ -516,7 +516,7 @@ def _cell(checkpoint: int, site: Site, candidate: str, golden, got, ref_spread=N
     return Cell(checkpoint, site, candidate, local, effect, effect.loss, compact, effect.leaf)
 
 
-def _local(site: Site, taps: Taps, judge: Optional["_Float64Judge"] = None
+def _local(site: Site, taps: Taps, judge: Optional["_SiteJudge"] = None
            ) -> tuple[Optional[Diagnosis], Optional[dict]]:
     """The Diagnosis at the site (None where it was not tapped) and, when it fails, its
     compact signature for the report. The floor is the dtype bound; a failing site is judged
@@ -536,13 +536,12 @@ def _local(site: Site, taps: Taps, judge: Optional["_Float64Judge"] = None
     return local, None if local.passed else _compact_signature(sig, c, r)
 
 
-class _Float64Judge:
-    """A failing site judged again as `check_kernel` judges a failing output: the site's op
-    evaluated in float64 on the golden step's operands there (`promote.widened_eqn`) sets the
-    noise floor, its spread under `check.CONDITIONING_PERTURBATIONS` perturbations of the operands
-    at their last bit the conditioning floor, and the candidate run on the same operands in
-    float64 names what remains (`detector.by_float64`: ``unstable_algorithm``,
-    ``approximation``). Kernels only (a modelled fault has no float64 run); sites that run once
+class _SiteJudge:
+    """A failing site judged again as `check_kernel` judges a failing output
+    (`judge.site.judge_site`: the site's op in float64 on the golden step's operands there as the
+    noise floor, their perturbations at the last bit as the conditioning floor, Monte Carlo
+    arithmetic on the op as the rounding floor, and the candidate's own float64 run naming what
+    remains). Kernels only (a modelled fault has no float64 run); sites that run once
     per step. The operands are read out on the first failing site of a checkpoint (one more
     compiled program per campaign). The kernel's float64 run is the candidate's code: it is
     held to the campaign's `cell_timeout` as its replay is, and past it `timed_out` says so
@@ -569,7 +568,7 @@ class _Float64Judge:
                                 "a branch")
             operands = jax.device_get(self._operands[site.index])
             if site.index not in self.run.shadows:   # compiled once per site and shape
-                self.run.shadows[site.index] = widened_eqn(self.run.replay.eqns[site.index])
+                self.run.shadows[site.index] = _site_op(site, self.run.replay.eqns[site.index])
             return _judged_in_float64(site, kernel, self.run.shadows[site.index], operands,
                                       c, r, functools.partial(self._limited, site))
         except Exception as e:  # noqa: BLE001 - the dtype bound's verdict stands, and says why
@@ -601,46 +600,29 @@ class _Float64Judge:
         return out
 
 
-class _KernelTimedOut(Exception):
+def _site_op(site: Site, eqn) -> SiteOp:
+    """The site's op as `judge.site` evaluates it: in float64 and as traced."""
+    k = next(i for i, d in enumerate(site.out_dtypes) if jnp.issubdtype(d, jnp.floating))
+    return SiteOp(float64=widened_eqn(eqn), traced=traced_eqn(eqn), output=k,
+                  reduction_length=reduction_length(site))
+
+
+class _KernelTimedOut(NoFloat64Candidate):
     """The kernel's float64 run at a site ran past the campaign's time limit."""
 
 
-def _judged_in_float64(site: Site, kernel: Kernel, shadow: Callable, operands, c: np.ndarray,
+def _judged_in_float64(site: Site, kernel: Kernel, op: SiteOp, operands, c: np.ndarray,
                        r: np.ndarray, limited: Callable[[Callable[[], Any]], Any] = lambda f: f()
                        ) -> tuple[Signature, Diagnosis]:
-    """(signature, diagnosis) of the site's candidate output `c` against the reference's `r`
-    with the float64 floors (`shadow`: the site's op in float64, `promote.widened_eqn`) and,
-    if it still fails, the float64 rules (see `_Float64Judge`). `limited(fn)` runs the
-    kernel's float64 run `fn` (under a time limit, in the campaign)."""
-    k = next(i for i, d in enumerate(site.out_dtypes) if jnp.issubdtype(d, jnp.floating))
-    bits = formats.float_format(site.out_dtypes[k]).mantissa_bits
-    rng = np.random.default_rng(site.index)
-    with jax.enable_x64(True):
-        x64 = [np.asarray(x, np.float64) if jnp.issubdtype(np.asarray(x).dtype, jnp.floating)
-               else x for x in operands]
-        ref64 = np.asarray(shadow(*x64)[k])
-        if ref64.dtype != np.float64:
-            raise PeatError(f"the site's op returns {ref64.dtype} on float64 operands")
-        spread = conditioning_spread(lambda moved: np.asarray(shadow(*moved)[k]),
-                                     list(operands), ref64, rng, bits)
-    sig = analyze(c, r, ref64, reduction_length=reduction_length(site), conditioning=spread)
-    local = detect(sig)
-    if local.passed:
-        return sig, local
-
+    """`judge.site.judge_site` of the site's candidate output `c` against the reference's `r`,
+    the kernel's float64 run held by `limited(fn)` (a time limit, in the campaign)."""
     def kernel64():   # x64 is set in the thread that runs it (jax's config is per thread)
         with jax.enable_x64(True), _callback_errors_unlogged():
-            return np.asarray(call_kernel(kernel, _widened_site(site), x64)[k])
+            x64 = [np.asarray(x, np.float64) if jnp.issubdtype(np.asarray(x).dtype, jnp.floating)
+                   else x for x in operands]
+            return np.asarray(call_kernel(kernel, _widened_site(site), x64)[op.output])
 
-    try:
-        cand64 = limited(kernel64)
-    except _KernelTimedOut as e:   # the verdict against the float64 floors stands, and says why
-        return sig, dataclasses.replace(
-            local, evidence={**local.evidence, "no_float64_candidate": str(e)},
-            summary=f"{local.summary} (no float64 rule: {e})")
-    except Exception:  # noqa: BLE001 - a kernel that cannot run in float64: no float64 rule
-        return sig, local
-    return sig, by_float64(local, float64_evidence(c, r, ref64, cand64))
+    return judge_site(op, operands, c, r, seed=site.index, candidate64=lambda: limited(kernel64))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,72 @@
+"""`judge.site.judge_site`: one op site's output judged with the float64, conditioning and
+rounding floors of the site's op, and the candidate's float64 run (what playback calls for a
+failing site)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from peat_jax.analyzer import RoundingFloor
+from peat_jax.judge.site import NoFloat64Candidate, SiteOp, judge_site
+from peat_jax.promote import traced_eqn, widened_eqn
+
+RNG = np.random.default_rng(0)
+
+
+def _op(fn, *args, reduction_length=None) -> SiteOp:
+    """The one equation `fn` traces to, as a `SiteOp`."""
+    (eqn,) = jax.make_jaxpr(fn)(*args).jaxpr.eqns
+    return SiteOp(float64=widened_eqn(eqn), traced=traced_eqn(eqn),
+                  reduction_length=reduction_length)
+
+
+@pytest.mark.parametrize("shape", [(8, 32, 16), (3, 17, 5)])
+def test_a_matmul_in_another_order_passes_and_a_scaled_one_fails(shape):
+    m, k, n = shape
+    a = RNG.standard_normal((m, k)).astype(np.float32)
+    b = RNG.standard_normal((k, n)).astype(np.float32)
+    op = _op(jnp.matmul, a, b, reduction_length=k)
+    reference = np.asarray(jnp.matmul(a, b))
+    reordered = np.zeros((m, n), np.float32)
+    for i in reversed(range(k)):   # float32 sums in the opposite order
+        reordered += np.outer(a[:, i], b[i]).astype(np.float32)
+    sig, d = judge_site(op, [a, b], reordered, reference, seed=0)
+    assert d.passed, d.summary
+    sig, d = judge_site(op, [a, b], reference * np.float32(1.001), reference, seed=0,
+                        candidate64=lambda: np.asarray(a, np.float64) @ b * 1.001)
+    assert not d.passed and d.model == "wrong_scale", d.summary
+    assert isinstance(sig.noise.rounding, RoundingFloor)   # the rounding floor was applied
+
+
+def test_a_failing_site_has_the_rounding_floor_and_the_float64_rules():
+    """A composite site (a jitted softmax: one call equation) with a zeroed column fails with
+    the rounding floor applied; a candidate64 that gives up with `NoFloat64Candidate` leaves
+    the verdict and says why."""
+    x = RNG.standard_normal((4, 64)).astype(np.float32)
+    op = _op(jax.jit(lambda v: jax.nn.softmax(v, axis=-1)), x)
+    reference = np.asarray(jax.nn.softmax(x, axis=-1))
+    wrong = reference.copy()
+    wrong[:, 0] = 0.0
+    sig, d = judge_site(op, [x], wrong, reference, seed=1)
+    assert not d.passed and isinstance(sig.noise.rounding, RoundingFloor)
+
+    def gives_up():
+        raise NoFloat64Candidate("past the time limit of 1 s")
+
+    _, d = judge_site(op, [x], wrong, reference, seed=1, candidate64=gives_up)
+    assert not d.passed and "no float64 rule: past the time limit of 1 s" in d.summary
+    assert d.evidence["no_float64_candidate"] == "past the time limit of 1 s"
+
+
+def test_an_op_monte_carlo_cannot_evaluate_keeps_the_other_floors_and_says_why():
+    x = RNG.standard_normal((4, 8)).astype(np.float32)
+    op = _op(jnp.sin, x)
+
+    def refuses(*operands):
+        raise ValueError("no Monte Carlo here")
+
+    op = SiteOp(float64=op.float64, traced=refuses)
+    reference = np.sin(x)
+    _, d = judge_site(op, [x], reference * np.float32(1.01), reference, seed=0)
+    assert not d.passed
+    assert d.evidence["no_rounding_floor"].startswith("ValueError: no Monte Carlo here")
