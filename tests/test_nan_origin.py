@@ -2,6 +2,7 @@
 loss or new state did, found by replaying that step with every site watched."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -11,7 +12,8 @@ import pytest
 
 import peat_jax as peat
 from peat_jax.profiler.golden import profile, restore
-from peat_jax.profiler.nan_origin import NanOrigin, golden_nan_origin, step_nan_origin
+from peat_jax.profiler.nan_origin import (GOLDEN_FACTOR, STEP_FACTOR, BlowUp, NanOrigin,
+                                         golden_absmax, golden_nan_origin, step_nan_origin)
 from peat_jax.profiler.runtime import runtime
 
 STEP = 4  # a checkpoint of the golden run: the state before it is restored exactly
@@ -88,7 +90,7 @@ def test_bit_flip_at_a_known_site_is_named_as_the_nan_origin(mlp, golden, phase)
     assert isinstance(o, NanOrigin)
     assert (o.step, o.site, o.phase, o.primitive, o.fired) == (STEP, site, phase, "dot_general",
                                                               True)
-    assert o.iteration == ()
+    assert o.iteration == () and o.blew_up is None  # the flip made inf itself: no blow-up before
     assert str(o).startswith(f"step {STEP}, site #{site} {phase} dot_general @ ")
     assert not np.isfinite(r.losses[STEP + (phase == "bwd")])
     stored = json.loads((golden / "campaigns" / f"flip{site}" / "runtime.json").read_text())
@@ -137,3 +139,132 @@ def test_golden_run_with_a_non_finite_loss_names_its_origin(tmp_path):
     profile(wl, tmp_path / "run", steps=4, checkpoint_every=2)
     o = golden_nan_origin(tmp_path / "run", workload=wl)
     assert (o.step, o.site, o.primitive, o.fired) == (2, 0, "exp", False)
+
+
+def _ln_mlp() -> peat.Workload:
+    """A matmul, then a residual layer norm (site #1 sums h for the mean, site #2 the squares
+    for the variance), then a matmul, with a mean squared error and SGD."""
+
+    def layer_norm(h):
+        mu = jnp.mean(h, axis=-1, keepdims=True)
+        var = jnp.mean((h - mu) ** 2, axis=-1, keepdims=True)
+        return (h - mu) * jax.lax.rsqrt(var + 1e-5)
+
+    def loss(p, x, y):
+        h = x @ p["w1"]
+        return jnp.mean(((h + layer_norm(h)) @ p["w2"] - y) ** 2)
+
+    def train_step(p, batch):
+        value, g = jax.value_and_grad(loss)(p, *batch)
+        return jax.tree.map(lambda w, d: w - 1e-2 * d, p, g), {"loss": value}
+
+    def init(key):
+        k1, k2 = jax.random.split(key)
+        return {"w1": 0.5 * jax.random.normal(k1, (8, 16)),
+                "w2": 0.5 * jax.random.normal(k2, (16, 4))}
+
+    def batch(step):
+        rng = np.random.default_rng(step)
+        return (rng.standard_normal((4, 8)).astype(np.float32),
+                rng.standard_normal((4, 4)).astype(np.float32))
+
+    return peat.Workload("ln_mlp", init=init, train_step=train_step, batch=batch)
+
+
+@pytest.fixture(scope="module")
+def ln_mlp():
+    return _ln_mlp()
+
+
+@pytest.fixture(scope="module")
+def ln_golden(ln_mlp, tmp_path_factory):
+    """The layer-norm workload's golden run, with site statistics at every step."""
+    run = tmp_path_factory.mktemp("nan_origin_ln") / "run"
+    profile(ln_mlp, run, steps=6, checkpoint_every=STEP, stats_every=1)
+    return run
+
+
+def _huge_making_flip(state, batch, wl):
+    """bit_flip(bit=30) at an element of site #0's (x @ w1) output at STEP that lies in
+    [1/16, 1/2] in magnitude: setting the exponent's top bit multiplies it by 2^128, a huge
+    but finite value (about 1e37), which the layer norm's squares after it overflow."""
+    out = _site_output(wl, state, batch, 0)
+    hits = np.flatnonzero((np.abs(out) > 1 / 16) & (np.abs(out) < 1 / 2))
+    assert hits.size, "no element of site #0's output lies in [1/16, 1/2]"
+    return peat.faults.bit_flip(bit=30, index=int(hits[0]))
+
+
+def _assert_blew_up_at_the_matmul(o, against):
+    assert (o.step, o.site, o.primitive, o.fired) == (STEP, 2, "reduce_sum", True)
+    b = o.blew_up
+    assert isinstance(b, BlowUp)
+    assert (b.site, b.phase, b.primitive, b.iteration, b.against) == (0, "fwd", "dot_general",
+                                                                      (), against)
+    assert np.isfinite(b.absmax) and b.absmax > 1e36 and b.absmax > b.limit > b.reference > 0
+    assert str(o).startswith(f"step {STEP}, site #2 fwd reduce_sum @ ")
+    assert f"; blew up at site #0 fwd dot_general @ <top>: abs-max {b.absmax:.3g}" in str(o)
+
+
+def test_a_huge_finite_value_is_named_where_it_blew_up_against_the_golden_run(ln_mlp,
+                                                                             ln_golden):
+    """The flipped matmul's output is huge but finite; the first non-finite output is the layer
+    norm's sum of squares after it. Both are named: the blow-up against the golden run's site
+    statistics at the matmul."""
+    state, batch = restore(ln_golden, STEP, workload=ln_mlp), ln_mlp.batch(STEP)
+    fault = _huge_making_flip(state, batch, ln_mlp)
+    r = runtime(ln_golden, {0: fault}, peat.at_steps([STEP]), steps=6, workload=ln_mlp,
+                name="huge")
+    o = r.nan_origin
+    _assert_blew_up_at_the_matmul(o, "golden")
+    recorded = golden_absmax(ln_golden)
+    assert o.blew_up.reference == recorded[0].absmax
+    assert o.blew_up.limit == GOLDEN_FACTOR * recorded[0].absmax
+    clean = np.abs(_site_output(ln_mlp, state, batch, 0)).max()
+    assert clean <= recorded[0].absmax * 2  # the golden's range at the site, as recorded
+    stored = json.loads((ln_golden / "campaigns" / "huge" / "runtime.json").read_text())
+    assert NanOrigin.from_dict(stored["nan_origin"]) == o
+    html = peat.report.render_report(ln_golden)
+    assert f"NaN born at step {STEP}, site #2 fwd reduce_sum @ &lt;top&gt;: the first" in html
+    assert "Values blew up at site #0 fwd dot_general" in html
+
+
+def test_without_site_statistics_the_blow_up_is_judged_against_the_steps_earlier_sites(
+        ln_mlp, ln_golden):
+    """From a workload (no golden run, so no site statistics) the matmul's output is judged
+    against the step's inputs: it is the first site, with nothing before it."""
+    state0 = ln_mlp.init(jax.random.key(0))
+    assert golden_absmax(ln_golden, before=0) == {}
+    state = state0
+    step = jax.jit(ln_mlp.train_step)
+    for i in range(STEP):
+        state, _ = step(state, ln_mlp.batch(i))
+    fault = _huge_making_flip(state, ln_mlp.batch(STEP), ln_mlp)
+    r = runtime(ln_mlp, {0: fault}, peat.at_steps([STEP]), steps=STEP + 1)
+    _assert_blew_up_at_the_matmul(r.nan_origin, "step")
+    b = r.nan_origin.blew_up
+    inputs = max(float(np.abs(x).max()) for x in jax.tree.leaves((state, ln_mlp.batch(STEP))))
+    assert b.reference == pytest.approx(inputs)
+    assert b.limit == pytest.approx(STEP_FACTOR * 8 * inputs)  # 8: the matmul's K
+
+
+def test_a_fault_writing_nan_directly_has_no_separate_blow_up(ln_mlp):
+    """A NaN written at a site's output: nothing left its range before it, so `blew_up` is None
+    and the site itself is where the values went non-finite (and blew up)."""
+    state, batch = ln_mlp.init(jax.random.key(0)), ln_mlp.batch(0)
+    o = step_nan_origin(ln_mlp.train_step, state, batch, 0,
+                        substitution={4: peat.faults.nan_inf(index=0)}, schedule=peat.every(1))
+    assert (o.site, o.primitive, o.blew_up) == (4, "dot_general", None)
+    assert "blew up" not in str(o)
+
+
+def test_records_made_before_blew_up_still_read():
+    old = {"step": 3, "site": 5, "phase": "fwd", "primitive": "exp", "path": "m", "iteration": [],
+           "fired": True}
+    o = NanOrigin.from_dict(old)
+    assert o.blew_up is None and str(o) == "step 3, site #5 fwd exp @ m"
+    b = BlowUp(site=1, phase="bwd", primitive="dot_general", path="", iteration=(2,),
+               absmax=1e30, reference=2.0, limit=512.0, against="golden")
+    o2 = dataclasses.replace(o, blew_up=b)
+    assert NanOrigin.from_dict(json.loads(json.dumps(dataclasses.asdict(o2)))) == o2
+    assert str(o2) == ("step 3, site #5 fwd exp @ m; blew up at site #1 bwd dot_general @ <top> "
+                       "(iteration 2): abs-max 1e+30, the golden run's 2")

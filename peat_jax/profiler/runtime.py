@@ -19,7 +19,7 @@ from peat_jax.profiler.campaign import substitution_digest
 from peat_jax.profiler.golden import load_workload, restore, scalar_metrics, state_digest
 from peat_jax.profiler.hostio import quiet, to_device
 from peat_jax.profiler.lock import runtime_writer
-from peat_jax.profiler.nan_origin import NanOrigin, all_finite, step_nan_origin
+from peat_jax.profiler.nan_origin import NanOrigin, all_finite, golden_absmax, step_nan_origin
 from peat_jax.profiler.rundir import (PathLike, RunDir, atomic_write_json, recorded_precision,
                                       run_identity)
 from peat_jax.profiler.workload import Workload
@@ -45,7 +45,8 @@ class RuntimeResult:
       evidence: the numbers behind the outcome.
       schedule: the schedule, as text.
       nan_origin: where the first non-finite value was born (`NanOrigin`: the first site whose
-        output was non-finite at the first step whose loss or new state was), or None.
+        output was non-finite at the first step whose loss or new state was, and in `blew_up`
+        the first site before it whose output left the golden run's range), or None.
       resumed_from: the step an interrupted run resumed from, or None for a run in one go.
     """
 
@@ -271,7 +272,9 @@ def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substi
 
     When a step's loss or new state is non-finite (the first such step), that step is replayed
     from its input state, kept in memory, with every site watched: `nan_origin` names the first
-    site whose output was non-finite (see `peat_jax.profiler.nan_origin`).
+    site whose output was non-finite, and its `blew_up` the first site before it whose finite
+    output left its range: the golden run's site statistics where the run directory has them,
+    else the step's own earlier sites (see `peat_jax.profiler.nan_origin`).
     A run directory's training runs at the matmul precision its golden run recorded.
 
     A named run holds its campaign's lock while it runs (`peat_jax.profiler.lock`): another
@@ -343,7 +346,8 @@ def _runtime(run_dir_or_workload, substitution, schedule, *, steps, workload, re
             losses.append(scalar_metrics(metrics)["loss"])
             if not searched and not (np.isfinite(losses[-1]) and all_finite(new)):
                 origin = step_nan_origin(wl.train_step, state, batch, i, substitution=substitution,
-                                         schedule=schedule, regions=regions)
+                                         schedule=schedule, regions=regions,
+                                         golden=golden_absmax(rd.path) if rd is not None else None)
                 searched = True
             state = new
             if plain is not None:

@@ -9,6 +9,7 @@ the other run's site outputs are from this run's. Every user-provided string is 
 """
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import pathlib
@@ -197,8 +198,13 @@ def _runtime_section(name: str, res: dict) -> str:
                        ylabel="loss")
     ok = res.get("outcome") == "masked"
     origin = NanOrigin.from_dict(res.get("nan_origin"))
-    born = (f"<p class='fail'>NaN born at {_e(origin)}: the first site whose output was "
-            "non-finite at the first step whose loss or new state was.</p>" if origin else "")
+    born = (f"<p class='fail'>NaN born at {_e(dataclasses.replace(origin, blew_up=None))}: the "
+            "first site whose output was non-finite at the first step whose loss or new state "
+            "was.</p>" if origin else "")
+    if origin and origin.blew_up:
+        born += (f"<p class='fail'>Values blew up at {_e(origin.blew_up)}: the first site before "
+                 "it whose output, still finite, left its range (abs-max above "
+                 f"{_e(f'{origin.blew_up.limit:.3g}')}).</p>")
     return (f'<h2 id="runtime-{_e(name)}">Runtime injection: {_e(name)}</h2><p>Outcome: '
             f"<span class='{'pass' if ok else 'fail'}'>{_e(res.get('outcome'))}</span>; schedule "
             f"<code>{_e(res.get('schedule'))}</code>, "
