@@ -12,8 +12,11 @@
   peat playback RUN_DIR (--kernel K | --fault F) [--sites SEL] [--checkpoints C,...]
   peat runtime RUN_DIR (--kernel K | --fault F) (--every N [--offset O] | --at-steps S,... |
                --probability P) [--steps N]
-  peat check KERNEL [--shapes 64x32,32x16] [--dtype float32] [--reference-precision P]
-                                               a kernel against XLA
+  peat check KERNEL [--shapes 64x32,32x16] [--dtypes float32] [--reference-precision P]
+                                               a bundled (or dot_general) kernel against XLA
+  peat check KERNEL --reference REF --shapes S,... [--dtypes D,...] [--config JSON|MOD:SPEC]
+               [--variants V,...] [--seeds N]   any kernel against any reference (REF: a
+                                               function like KERNEL, or jax.nn.softmax, ...)
   peat check KERNEL --lower cuda,rocm          does it lower (fwd and bwd) for those GPUs
   peat playback ... --cell-timeout S           campaign in a restartable worker process
   peat playback ... --coordinator HOST:PORT --num-processes N --process-id I
@@ -23,7 +26,8 @@
 
 TARGET: a bundled workload name, or `module.path:attribute` naming a `peat.Workload` or a
 zero-argument callable returning one (loaded only when named). KERNEL: a bundled kernel name
-(`peat check --help` lists them) or `module.path:attribute` (a `peat.Kernel` or a factory).
+(`peat check --help` lists them) or `module.path:attribute` (a `peat.Kernel` or a factory);
+for `peat check` also `path/to/file.py:NAME` or a dotted name, any function (`kernel_spec`).
 FAULT: a call of a `peat.faults` constructor with literal arguments, e.g. "bit_flip(bit=30)".
 P: a matmul precision, highest | high | default (or jax's float32 | tensorfloat32 | bfloat16).
 Exit status: 0 on success, 1 when a check or campaign finds a failing kernel (or `compare` a
@@ -35,6 +39,7 @@ import argparse
 import ast
 import contextlib
 import dataclasses
+import functools
 import gc
 import importlib
 import json
@@ -47,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import peat_jax as peat
-from peat_jax import models
+from peat_jax import check_kernel, kernel_spec, models
 from peat_jax.errors import PeatError
 from peat_jax.precision import MATMUL_PRECISIONS
 from peat_jax.profiler import supervisor
@@ -165,8 +170,7 @@ def _kernel(spec: str) -> peat.Kernel:
     if obj is None:
         raise PeatError(f"unknown kernel {spec!r}; bundled kernels: {', '.join(KERNELS)}, or give "
                         "module.path:attribute")
-    if callable(obj) and not isinstance(obj, peat.Kernel):
-        obj = obj()
+    obj = kernel_spec.as_function(obj, spec)    # a factory taking no arguments is called
     if not isinstance(obj, peat.Kernel):
         raise PeatError(f"{spec!r} is not a peat.Kernel (got {type(obj).__name__})")
     return obj
@@ -434,39 +438,95 @@ def _say_nan_origin(args, r) -> None:
         _say(args, f"[red]NaN born at {_esc(r.nan_origin)}[/]")
 
 
-def _shapes(text: str) -> list[tuple[int, ...]]:
-    try:
-        shapes = [tuple(int(d) for d in s.split("x")) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise PeatError(f"--shapes must look like 64x32,32x16, got {text!r}") from None
-    if not shapes or any(d < 1 for s in shapes for d in s):
-        raise PeatError(f"--shapes needs at least one shape, every dimension >= 1 (like "
-                        f"64x32,32x16), got {text!r}")
-    return shapes
+def _check_seeds(args) -> list[int]:
+    """The seeds `peat check` runs: --seed, or --seed .. --seed + N - 1 with --seeds N."""
+    return list(range(args.seed, args.seed + (args.seeds or 1)))
+
+
+def _run_checks(args, candidate, reference,
+                args_at: Callable[[int], tuple]) -> list[tuple[int, Any]]:
+    """`check_kernel` once per seed: [(seed, Diagnosis)], the example args drawn by
+    `args_at(seed)` and the variants seeded by it too."""
+    out = []
+    for seed in _check_seeds(args):
+        xs = args_at(seed)
+        out.append((seed, check_kernel(candidate, reference, *xs, allow=tuple(args.allow or ()),
+                                       variants=kernel_spec.parse_variants(args.variants),
+                                       seed=seed, reference_precision=args.reference_precision,
+                                       conditioning=args.conditioning)))
+    return out
+
+
+def _report_checks(args, results: list[tuple[int, Any]], extra: Optional[dict] = None) -> int:
+    """Prints the verdicts (a JSON object under --json: the first failing seed's diagnosis, or
+    the first seed's, with "seeds" listing each with --seeds); 0 when every seed passed."""
+    passed = all(d.passed for _, d in results)
+    seed, shown = next(((s, d) for s, d in results if not d.passed), results[0])
+    if args.json:
+        obj = {**_diag_json(shown), "passed": passed, **(extra or {})}
+        if args.seeds is not None:
+            obj["seed"] = seed
+            obj["seeds"] = [{"seed": s, **_diag_json(d)} for s, d in results]
+        _print_json(args, obj, default=repr)
+        return 0 if passed else 1
+    for s, d in results:
+        style = "green" if d.passed else "red"
+        prefix = f"seed {s}: " if len(results) > 1 else ""
+        _say(args, f"[{style}]{prefix}{_esc(d.summary)}[/]")
+    if len(results) > 1:
+        _say(args, f"evidence of seed {seed}:")
+    for k, v in shown.evidence.items():
+        _say(args, f"  {k}: {_esc(v)}")
+    return 0 if passed else 1
 
 
 def cmd_check(args) -> int:
+    if args.reference is not None:
+        return _check_any(args)
+    for opt in ("config", "int_bound"):
+        if getattr(args, opt) is not None:
+            raise PeatError(f"--{opt.replace('_', '-')} needs --reference (the function to check "
+                            "the kernel against)")
     region = REGION_KERNELS.get(args.kernel)
-    kernel = region[0]() if region else _kernel(args.kernel)
-    shapes = _shapes(args.shapes or (region[2] if region else "67x45,45x33"))
-    dtype = jnp.dtype(args.dtype)
-    rng = np.random.default_rng(args.seed)    # on the host: a jax draw compiles per shape
-    xs = [jax.device_put(rng.standard_normal(s, np.float32).astype(dtype)) for s in shapes]
+    if region:
+        kernel = region[0]()
+    elif args.kernel in KERNELS:
+        kernel = KERNELS[args.kernel]()
+    elif ":" in args.kernel or "." in args.kernel:
+        kernel = kernel_spec.as_function(kernel_spec.load(args.kernel, "kernel"), args.kernel)
+        if not isinstance(kernel, peat.Kernel):
+            raise PeatError(f"{args.kernel!r} is a function, not a dot_general peat.Kernel: give "
+                            f"--reference REF to check it against (REF as "
+                            f"{kernel_spec.SPEC_FORMS})")
+    else:
+        raise PeatError(f"unknown kernel {args.kernel!r}; bundled kernels: "
+                        f"{', '.join([*KERNELS, *REGION_KERNELS])}; or check any function with "
+                        f"--reference (KERNEL as {kernel_spec.SPEC_FORMS})")
+    shapes = kernel_spec.parse_shapes(args.shapes or (region[2] if region else "67x45,45x33"))
+    dtypes = kernel_spec.parse_dtypes(args.dtypes, len(shapes))
+    dtype = dtypes[0]
+    if len(set(dtypes)) != 1 or dtype.name not in ("float32", "bfloat16", "float16"):
+        raise PeatError(f"bundled and dot_general kernels take one float dtype for all operands "
+                        f"(float32, bfloat16 or float16), got --dtypes {args.dtypes!r}")
+
+    def draw(seed: int) -> tuple:    # on the host: a jax draw compiles per shape
+        return tuple(jax.device_put(x) for x in kernel_spec.draw_args(shapes, dtypes, seed))
+
     if region:
         reference, candidate = region[1], kernel
         n_args = {"pallas_softmax": 1, "pallas_layer_norm": 3, "pallas_attention": 3}[args.kernel]
-        if len(xs) != n_args:
-            raise PeatError(f"{args.kernel} takes {n_args} operand(s); --shapes gave {len(xs)} "
-                            f"(default {region[2]})")
+        if len(shapes) != n_args:
+            raise PeatError(f"{args.kernel} takes {n_args} operand(s); --shapes gave "
+                            f"{len(shapes)} (default {region[2]})")
     else:
-        if kernel.primitive == "dot_general" and len(xs) != 2:
+        if kernel.primitive == "dot_general" and len(shapes) != 2:
             raise PeatError(f"{args.kernel} multiplies two operands: --shapes takes two shapes "
-                            f"like 67x45,45x33 (MxK,KxN), got {len(xs)} ({args.shapes!r})")
+                            f"like 67x45,45x33 (MxK,KxN), got {len(shapes)} ({args.shapes!r})")
         if kernel.primitive != "dot_general":
-            raise PeatError(f"peat check runs dot_general kernels on two operands and the bundled "
-                            f"{', '.join(REGION_KERNELS)}; kernel {kernel.name!r} serves "
-                            f"{kernel.primitive!r}: use peat.check_kernel from Python for others")
-        dims = (((xs[0].ndim - 1,), (0,)), ((), ()))
+            raise PeatError(f"kernel {kernel.name!r} serves {kernel.primitive!r}, not "
+                            f"dot_general: give --reference REF to check it against (REF as "
+                            f"{kernel_spec.SPEC_FORMS})")
+        dims = (((len(shapes[0]) - 1,), (0,)), ((), ()))
         params = {"dimension_numbers": dims, "precision": None, "preferred_element_type": dtype}
 
         # jitted, so the variants of one shape share one compiled program (eager, a Pallas
@@ -483,19 +543,66 @@ def cmd_check(args) -> int:
     if args.lower:
         # lowering only: the kernel, forward and backward, built compiled for each GPU
         fn = kernel if region else (lambda a, b: kernel(a, b, **params))
-        return _check_lowering(args, kernel.name, fn, xs)
+        return _check_lowering(args, kernel.name, fn, draw(_check_seeds(args)[0]))
+    return _report_checks(args, _run_checks(args, candidate, reference, draw))
 
-    diag = peat.check_kernel(candidate, reference, *xs, allow=tuple(args.allow or ()),
-                             reference_precision=args.reference_precision,
-                             conditioning=args.conditioning)
-    if args.json:
-        _print_json(args, _diag_json(diag))
+
+def _check_any(args) -> int:
+    """`peat check KERNEL --reference REF`: any function against any reference, on operands
+    drawn from --shapes/--dtypes (or given by a --config spec), kwargs from --config."""
+    if args.kernel in REGION_KERNELS:
+        fn = REGION_KERNELS[args.kernel][0]()
+    elif args.kernel in KERNELS:
+        fn = KERNELS[args.kernel]()
+    elif ":" in args.kernel or "." in args.kernel:
+        fn = kernel_spec.as_function(kernel_spec.load(args.kernel, "kernel"), args.kernel)
     else:
-        style = "green" if diag.passed else "red"
-        _say(args, f"[{style}]{_esc(diag.summary)}[/]")
-        for k, v in diag.evidence.items():
-            _say(args, f"  {k}: {_esc(v)}")
-    return 0 if diag.passed else 1
+        raise PeatError(f"unknown kernel {args.kernel!r}; bundled kernels: "
+                        f"{', '.join([*KERNELS, *REGION_KERNELS])}, or give "
+                        f"{kernel_spec.SPEC_FORMS}")
+    ref = kernel_spec.as_function(kernel_spec.load(args.reference, "reference"), args.reference,
+                                  "reference")
+    first = _check_seeds(args)[0]
+    config = kernel_spec.parse_config(args.config, first)
+    if config.args is not None:
+        if args.shapes is not None or args.dtypes is not None or args.int_bound is not None:
+            raise PeatError(f"--config {args.config!r} returned the example args: leave out "
+                            "--shapes, --dtypes and --int-bound (or return only \"kwargs\")")
+        shapes = dtypes = None
+    elif args.shapes is None:
+        raise PeatError("give --shapes, one per operand (like 2x128x4x64,2x128x4x64,2x128x4x64; "
+                        "() for a scalar), or a --config MOD:SPEC returning the example args")
+    else:
+        shapes = kernel_spec.parse_shapes(args.shapes)
+        dtypes = kernel_spec.parse_dtypes(args.dtypes, len(shapes))
+
+    drawn: dict[int, tuple] = {}
+
+    def args_at(seed: int) -> tuple:
+        if seed not in drawn:
+            if shapes is None:
+                got = config if seed == first else kernel_spec.parse_config(args.config, seed)
+                if got.args is None:
+                    raise PeatError(f"--config {args.config!r} returned no \"args\" for seed "
+                                    f"{seed} (it did for seed {first}); return them every time")
+                drawn[seed] = got.args
+            else:
+                drawn[seed] = tuple(jax.device_put(x) for x in
+                                    kernel_spec.draw_args(shapes, dtypes, seed, args.int_bound))
+        return drawn[seed]
+
+    kwargs = config.kwargs
+    # the candidate jitted (its kwargs static), so that the variants of one shape share one
+    # compiled program; the reference runs as given
+    candidate = jax.jit(functools.partial(fn, **kwargs)) if kwargs else jax.jit(fn)
+    reference = functools.partial(ref, **kwargs) if kwargs else ref
+    if args.lower:
+        bound = functools.partial(fn, **kwargs)
+        return _check_lowering(args, args.kernel, bound, args_at(first))
+    results = _run_checks(args, candidate, reference, args_at)
+    extra = {"candidate": args.kernel, "reference": args.reference,
+             "operands": kernel_spec.describe_args(args_at(first)), "kwargs": kwargs}
+    return _report_checks(args, results, extra)
 
 
 def _check_lowering(args, name: str, fn: Callable, xs) -> int:
@@ -631,6 +738,13 @@ def cmd_demo(args) -> int:
 # --------------------------------------------------------------------------------------------
 
 class _Parser(argparse.ArgumentParser):
+    """No prefix matching (`allow_abbrev=False`): `--reference X` is never taken for
+    `--reference-precision`, nor `--seed` for `--seeds`."""
+
+    def __init__(self, *a, **kw):
+        kw.setdefault("allow_abbrev", False)
+        super().__init__(*a, **kw)
+
     def error(self, message):  # one line and the usage, exit status 2
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -758,16 +872,58 @@ def build_parser() -> argparse.ArgumentParser:
     common(rt)
     rt.set_defaults(func=cmd_runtime)
 
-    ck = sub.add_parser("check", help="check a matmul kernel against XLA, forward and backward")
-    ck.add_argument("kernel", help=f"bundled kernel ({', '.join([*KERNELS, *REGION_KERNELS])}) "
-                                   "or module:attribute (a dot_general kernel)")
-    ck.add_argument("--shapes", help="operand shapes (default 67x45,45x33 for matmuls; 67x45 for "
-                                     "softmax, 67x45,45,45 for layer norm, 2x40x2x16 (x3) for "
-                                     "attention)")
-    ck.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ck = sub.add_parser(
+        "check", help="check a kernel against a reference (or a bundled kernel against XLA), "
+                      "forward and backward",
+        description="Check KERNEL against --reference REF (any functions: module.path:NAME, "
+                    "path/to/file.py:NAME or a dotted name such as jax.nn.softmax) on operands "
+                    "drawn from --shapes and --dtypes, forward and backward, on adversarial "
+                    "variants; or a bundled kernel (or a dot_general peat.Kernel) against XLA. "
+                    "Exit status: 0 passes, 1 fails, 2 bad input.",
+        epilog="examples: peat check mymod:attention --reference jax.nn.dot_product_attention "
+               "--shapes 2x128x4x64,2x128x4x64,2x128x4x64 --config '{\"is_causal\": true}'; "
+               "peat check mymod:xent --reference "
+               "optax.softmax_cross_entropy_with_integer_labels --shapes 8x10,8 "
+               "--dtypes float32,int32; peat check pallas_matmul")
+    ck.add_argument("kernel", metavar="KERNEL",
+                    help=f"bundled kernel ({', '.join([*KERNELS, *REGION_KERNELS])}), or "
+                         "module.path:NAME, path/to/file.py:NAME or a dotted name: a function, "
+                         "a peat.Kernel or a factory taking no arguments that returns one "
+                         "(without --reference: a dot_general peat.Kernel)")
+    ck.add_argument("--reference", metavar="REF",
+                    help="the function KERNEL must match, named as KERNEL can be, e.g. "
+                         "jax.nn.softmax, jax.nn.dot_product_attention, mymod:my_reference")
+    ck.add_argument("--shapes",
+                    help="operand shapes, one per operand: 2x128x4x64,2x128x4x64,2x128x4x64; () "
+                         "or scalar for a scalar (default 67x45,45x33 for matmuls; 67x45 for "
+                         "softmax, 67x45,45,45 for layer norm, 2x40x2x16 (x3) for attention)")
+    ck.add_argument("--dtypes", "--dtype", dest="dtypes", metavar="DTYPES",
+                    help="operand dtypes, one for all or one per operand, comma-separated: "
+                         "float32 (default), bfloat16, float16, int32, int16, int8, uint32, "
+                         "uint16, uint8, bool. Floats are drawn standard normal, integers "
+                         "uniform in [0, K) (see --int-bound: labels and indices stay in "
+                         "range), bools True with probability 1/2, all from --seed")
+    ck.add_argument("--int-bound", type=_positive, metavar="K",
+                    help="integer operands are drawn from [0, K) (default: the smallest "
+                         "last-axis size of the float operands, e.g. the class count of the "
+                         "logits; 8 when none)")
+    ck.add_argument("--config", metavar="CONFIG",
+                    help="keyword arguments for both KERNEL and REF: inline JSON "
+                         "('{\"is_causal\": true}'; arrays become tuples), a JSON file, or a "
+                         "Python spec MOD:SPEC, a tuple or dict or a callable SPEC(seed) (or "
+                         "SPEC()) returning one: a tuple is the example args (no --shapes), a "
+                         "dict has \"args\" and/or \"kwargs\"")
+    ck.add_argument("--variants",
+                    help="input variants, comma-separated (default all: example, large, tiny, "
+                         "near_overflow, subnormal, zeros, outliers, odd_shape; example alone "
+                         "for a quick check)")
+    ck.add_argument("--seeds", type=_positive, metavar="N",
+                    help="run the check N times, seeds --seed .. --seed+N-1 (the example args "
+                         "and the variants drawn from each); fails if any seed fails; --json "
+                         "lists each under \"seeds\"")
     ck.add_argument("--allow", action="append", help="an error model to accept (repeatable)")
     ck.add_argument("--reference-precision", choices=list(MATMUL_PRECISIONS), default="highest",
-                    help="matmul precision of the XLA reference (default highest: full float32; "
+                    help="matmul precision of the reference (default highest: full float32; "
                          "'default' is what the program would do, TF32 on recent GPUs)")
     ck.add_argument("--no-conditioning", dest="conditioning", action="store_false",
                     help="the noise floor alone: no conditioning floor (the float64 reference "

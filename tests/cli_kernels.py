@@ -73,3 +73,43 @@ def _racy(a, b, **params):
 
 racy_matmul = peat.Kernel("racy_matmul", _racy, primitive="dot_general",
                           vjp=lambda ops, out, g, **p: (g @ ops[1].T, ops[0].T @ g))
+
+
+# Ports of library functions, checked against them with `peat check KERNEL --reference REF`.
+
+def softmax(x, axis=-1):
+    """jax.nn.softmax as a NumPy user would write it (with jnp)."""
+    e = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True))
+    return e / jnp.sum(e, axis=axis, keepdims=True)
+
+
+def softmax_scaled(x, axis=-1):
+    """A buggy port: 1% too large."""
+    return softmax(x, axis) * jnp.asarray(1.01, x.dtype)
+
+
+def attention(q, k, v, is_causal=False):
+    """jax.nn.dot_product_attention's math on [batch, length, heads, head_dim] operands."""
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
+    if is_causal:
+        mask = jnp.tril(jnp.ones(s.shape[-2:], bool))
+        s = jnp.where(mask, s, jnp.finfo(s.dtype).min)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)
+
+
+def attention_without_mask(q, k, v, is_causal=False):
+    """A buggy port: takes is_causal and ignores it."""
+    return attention(q, k, v, is_causal=False)
+
+
+def cross_entropy_integer_labels(logits, labels):
+    """optax.softmax_cross_entropy_with_integer_labels, by hand."""
+    picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+def softmax_spec(seed):
+    """A `--config` spec: the example args (drawn from `seed`) and the kwargs."""
+    import numpy as np
+    x = np.random.default_rng(seed).standard_normal((5, 6), np.float32)
+    return {"args": (x,), "kwargs": {"axis": 0}}
