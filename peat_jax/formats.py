@@ -207,6 +207,11 @@ def ulp_of_magnitude(mag, fmt: FloatFormat):
     return lax.bitcast_convert_type(field.astype(cf.wide_uint), cf.compute_dtype)
 
 
+def unit_roundoff(dtype) -> float:
+    """The unit roundoff u of `dtype`'s format: half an ULP at 1 (float32: 2**-24), relative."""
+    return 2.0 ** -(float_format(dtype).mantissa_bits + 1)
+
+
 def ulp_at(x: float, fmt: FloatFormat) -> float:
     """The spacing of `fmt` at the (host) value `x`, like `ulp_of_value`: ``2**(max(floor(log2
     |x|), min_exponent) - mantissa_bits)``; the subnormal spacing for 0 and subnormal values.

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax import _jax
-from peat_jax.formats import float_format
+from peat_jax.formats import unit_roundoff
 from peat_jax.promote import evaluate
 from peat_jax.sites import trace_key
 
@@ -94,10 +94,6 @@ TRANSCENDENTAL = frozenset({
     "bessel_i1e", "cumlogsumexp", "logaddexp",
 })
 """Primitives a math library approximates (up to an ULP apart between libraries)."""
-
-
-def _unit_roundoff(dtype) -> float:
-    return 2.0 ** -(float_format(dtype).mantissa_bits + 1)
 
 
 def _is_float(x) -> bool:
@@ -164,10 +160,10 @@ class _Perturb:
             if not (_is_float(y) and jnp.issubdtype(dtype, jnp.floating)):
                 done.append(y)
                 continue
-            u = _unit_roundoff(dtype)
+            u = unit_roundoff(dtype)
             if name == "convert_element_type":
                 narrower = _is_float(eqn.invars[0].aval) and \
-                    _unit_roundoff(eqn.invars[0].aval.dtype) < u
+                    unit_roundoff(eqn.invars[0].aval.dtype) < u
                 done.append(y * (1 + u * self._uniform(y.shape)) if narrower else y)
             elif name in SUMMING and len(done) == 0:
                 sq, k = _terms(eqn, invals)

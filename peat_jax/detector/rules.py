@@ -1,4 +1,6 @@
-"""Detector: from a `Signature` to a `Diagnosis` (``peat.detect``).
+"""Detector: from a `Signature` to a `Diagnosis` (``peat.detect``): the catalogue of rules (its
+machinery, the `Diagnosis` and `Rule` types and the phrasing of summaries, lives in
+`peat_jax.detector.machinery`; the floors the signature was built with in `peat_jax.judge`).
 
 The error model is decided by an ordered tuple of rules, `RULES`. Each rule states a *sufficient
 condition* over the signature's statistics (its docstring, repeated in ``docs/error_models.md``);
@@ -20,20 +22,20 @@ hold the same value there (one element: an ordinary ``bit_flip``).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional
+from typing import Iterable, Optional
 
-import numpy as np
 
 from peat_jax import taxonomy
 from peat_jax.analyzer import Signature
+from peat_jax.detector.float64 import FLOAT64_RULES
+from peat_jax.detector.machinery import (Diagnosis, Match, Rule, apart, axis_name, change_text,
+                                        element_count, fault_bits, flip_limit, format_phrase,
+                                        index_text, isolated_limit, percent, plain,
+                                        severity, short, worst_all_listed)
 from peat_jax.errors import PeatError
 from peat_jax.formats import bit_class, float_format, narrow_formats_like, ulp_at
 
-__all__ = ["CHECK_MODELS", "Diagnosis", "FLOAT64_RULES", "Float64Evidence", "MODELS", "PASSING",
-           "RULES", "Rule", "bitwise_equal", "by_float64", "data_race", "detect", "format_phrase",
-           "narrowed", "only_on_odd_shapes", "severity"]
 
 MODELS: tuple[str, ...] = taxonomy.MODELS
 """Every model name `detect` can return (`peat_jax.taxonomy`; docs/design.md)."""
@@ -53,154 +55,24 @@ GRID_TOLERANCE = 0.01
 
 
 
-@dataclasses.dataclass(frozen=True)
-class Diagnosis:
-    """The verdict on one signature.
-
-    Attributes:
-      model: a name from `MODELS`.
-      passed: True for ``exact`` / ``numerical_noise`` and for models the caller allowed.
-      confidence: in [0, 1]: how clearly the deciding condition held (each rule states how).
-      evidence: the conditions that held, with their numbers (JSON-able), plus ``"rule"`` (the
-        rule's name) and, from `check_kernel`, ``"origin"`` (which input variant and output).
-      summary: one line for a kernel author, starting with "passes:" or "fails:".
-    """
-
-    model: str
-    passed: bool
-    confidence: float
-    evidence: Mapping[str, Any]
-    summary: str
-
-    def __str__(self) -> str:
-        return self.summary
-
-
-class _Match(NamedTuple):
-    evidence: dict
-    confidence: float
-    detail: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """One sufficient condition: ``test(signature)`` returns a match or None.
-
-    Attributes:
-      name: the rule's name (several rules may name the same model).
-      model: the model it concludes.
-      test: the condition; its docstring states it.
-    """
-
-    name: str
-    model: str
-    test: Callable[[Signature], Optional[_Match]]
-
-    @property
-    def condition(self) -> str:
-        """The sufficient condition in words (the test's docstring, first paragraph)."""
-        return " ".join((self.test.__doc__ or "").strip().split("\n\n")[0].split())
-
-
-# ----------------------------------------------------------------------------------------------
-# Helpers over a signature
-# ----------------------------------------------------------------------------------------------
-
-def _n(s: Signature) -> int:
-    return max(s.counts.elements, 1)
-
-
-def _isolated_limit(s: Signature) -> int:
-    return max(1, min(8, int(0.01 * s.counts.elements)))
-
-
-def _fault_bits(w, dtype: str) -> tuple[int, ...]:
-    """The bits a fault flipped in element `w`.
-
-    Without noise (at most 1% of the elements differ within the floor), the differing bits
-    themselves. With noise, the
-    fewest bits (up to T) whose flip turns the candidate back into a value within twice the
-    element's floor of the golden and at least halves its error (of several, the one that
-    comes closest): a flipped value in a kernel with rounding noise differs from the golden in
-    the fault's bits plus noise bits, and carries can spread the noise into higher bits, so the
-    bits are found by value, not by XOR; and an error already near the floor is not explained
-    by flipping whichever low bit keeps it there. Falls back to the differing bits at or above
-    the element's noise bits.
-    """
-    if w.noise_bits == 0:
-        return w.differing_bits
-    f = float_format(dtype)
-    ut, ft = f.uint, f.scalar
-    tol = 2.0 * w.floor
-    error = abs(w.candidate - w.golden)
-    error = error if not math.isnan(error) else math.inf     # a NaN candidate
-    for k in range(1, _flip_limit(dtype) + 1):
-        combos = list(itertools.combinations(range(f.bits), k))
-        if len(combos) > 50_000:
-            break
-        masks = np.array([sum(1 << b for b in c) for c in combos], dtype=np.uint64).astype(ut)
-        with np.errstate(invalid="ignore", over="ignore"):
-            back = (ut(w.candidate_bits) ^ masks).view(ft).astype(np.float64)
-            left = np.where(np.isfinite(back), np.abs(back - w.golden), np.inf)
-        ok = (left <= tol) & (left < 0.5 * error)
-        if ok.any():
-            return combos[int(np.argmin(np.where(ok, left, np.inf)))]
-    return w.fault_bits
-
-
-def _worst_all_listed(s: Signature) -> bool:
-    """True when `worst` lists every significant element (isolated errors)."""
-    return 0 < s.counts.significant <= len(s.worst)
-
-
-def _idx(w) -> str:
-    return "[" + ", ".join(str(i) for i in w.index) + "]" if w.index else "[]"
-
-
-def _g(x: float) -> str:
-    return f"{x:.3g}"
-
-
-def _apart(a: float, b: float) -> tuple[str, str]:
-    """`a` and `b` written with as many significant digits (3 to 9) as tell them apart."""
-    for digits in range(3, 10):
-        sa, sb = f"{a:.{digits}g}", f"{b:.{digits}g}"
-        if sa != sb:
-            break
-    return sa, sb
-
-
-def _change(golden: float, candidate: float) -> str:
-    """"golden -> candidate", each with the digits that tell them apart."""
-    return " -> ".join(_apart(golden, candidate))
-
-
-def _share(x: float) -> str:
-    return f"{100 * x:.0f}%"
-
-
-def _axis_name(axis: int) -> str:
-    return "columns" if axis == -1 else "rows"
-
-
 # ----------------------------------------------------------------------------------------------
 # Rules (ordered). Each docstring's first paragraph is the sufficient condition.
 # ----------------------------------------------------------------------------------------------
 
-def _exact(s: Signature) -> Optional[_Match]:
+def _exact(s: Signature) -> Optional[Match]:
     """No element's bit pattern differs (NaN vs NaN counts as equal)."""
     if s.counts.mismatched:
         return None
     return _exact_match(s.counts.elements, s.comparison)
 
 
-def _exact_match(elements: int, comparison: str) -> _Match:
+def _exact_match(elements: int, comparison: str) -> Match:
     what = "bitwise equal to the golden" if comparison == "golden" else \
         "bitwise equal to the earlier run"
-    return _Match({"elements": elements}, 1.0, f"{what} ({elements} elements)")
+    return Match({"elements": elements}, 1.0, f"{what} ({elements} elements)")
 
 
-def _nondeterministic(s: Signature) -> Optional[_Match]:
+def _nondeterministic(s: Signature) -> Optional[Match]:
     """The comparison is between two runs of the candidate on the same inputs, and at least one
     element differs beyond the noise floor (or in a non-finite value)."""
     if s.comparison != "repeat" or s.counts.significant == 0:
@@ -208,23 +80,23 @@ def _nondeterministic(s: Signature) -> Optional[_Match]:
     ev = {"significant": s.counts.significant, "mismatched": s.counts.mismatched,
           "max_floor_ratio": s.errors.max_floor_ratio}
     w = s.worst[0] if s.worst else None
-    where = f", e.g. at {_idx(w)}: {' vs '.join(_apart(w.candidate, w.golden))}" if w else ""
-    return _Match(ev, 1.0, f"{s.counts.significant} of {s.counts.elements} elements change from "
+    where = f", e.g. at {index_text(w)}: {' vs '.join(apart(w.candidate, w.golden))}" if w else ""
+    return Match(ev, 1.0, f"{s.counts.significant} of {s.counts.elements} elements change from "
                            f"run to run beyond the noise floor{where}")
 
 
-def _repeat_noise(s: Signature) -> Optional[_Match]:
+def _repeat_noise(s: Signature) -> Optional[Match]:
     """The comparison is between two runs of the candidate, they differ, and every difference is
     within the noise floor (run-to-run rounding differences, e.g. atomics; this passes)."""
     if s.comparison != "repeat":
         return None
-    return _Match({"mismatched": s.counts.mismatched,
+    return Match({"mismatched": s.counts.mismatched,
                    "max_floor_ratio": s.errors.max_floor_ratio}, 0.8,
                   f"{s.counts.mismatched} elements differ from run to run, all within the noise "
-                  f"floor (max {_g(s.errors.max_floor_ratio)}x)")
+                  f"floor (max {short(s.errors.max_floor_ratio)}x)")
 
 
-def _flush_to_zero(s: Signature) -> Optional[_Match]:
+def _flush_to_zero(s: Signature) -> Optional[Match]:
     """At least one element is a flush (golden subnormal, candidate +-0) and no significant
     element is anything else (all other differences are within the noise floor)."""
     c = s.counts
@@ -232,12 +104,12 @@ def _flush_to_zero(s: Signature) -> Optional[_Match]:
         return None
     ev = {"flushed": c.flushed, "subnormal_golden": c.subnormal_golden,
           "significant_not_flushed": 0}
-    return _Match(ev, min(1.0, 0.5 + 0.5 * c.flushed / max(c.subnormal_golden, 1)),
+    return Match(ev, min(1.0, 0.5 + 0.5 * c.flushed / max(c.subnormal_golden, 1)),
                   f"{c.flushed} of {c.subnormal_golden} subnormal golden values are 0 in the "
                   "candidate; nothing else differs beyond noise")
 
 
-def _numerical_noise(s: Signature) -> Optional[_Match]:
+def _numerical_noise(s: Signature) -> Optional[Match]:
     """No significant element (every difference within the per-element noise floor), no flush,
     and, with a float64 reference and >= 32 finite elements, the distribution test holds
     (`peat_jax.analyzer.noise.distribution_ok`): it fails only when the candidate's median ULP
@@ -257,8 +129,8 @@ def _numerical_noise(s: Signature) -> Optional[_Match]:
     conf = max(0.5, min(1.0, 1.5 - s.errors.max_floor_ratio))
     basis = ("the golden's own error vs float64" if nz and nz.kind == "float64"
              else f"the {s.dtype} bound")
-    return _Match(ev, conf, f"{c.mismatched} of {c.elements} elements differ, all within the "
-                            f"noise floor (max {_g(s.errors.max_floor_ratio)}x the floor set "
+    return Match(ev, conf, f"{c.mismatched} of {c.elements} elements differ, all within the "
+                            f"noise floor (max {short(s.errors.max_floor_ratio)}x the floor set "
                             f"by {basis}; max {s.errors.max_ulp} ULP)"
                             f"{_conditioning_note(nz)}")
 
@@ -272,8 +144,8 @@ def _conditioning_note(nz) -> str:
     passed = (f"{k.decisive} elements beyond the noise floor are" if k.decisive
               else "the errors are")
     return (f", {passed} within the problem's conditioning (inputs perturbed at 1 ULP move the "
-            f"float64 result by up to {_g(k.max_spread)}; that floor is up to "
-            f"{_g(k.max_ratio)}x the noise floor)")
+            f"float64 result by up to {short(k.max_spread)}; that floor is up to "
+            f"{short(k.max_ratio)}x the noise floor)")
 
 
 def _stuck_pattern(s: Signature) -> Optional[tuple[int, int]]:
@@ -301,7 +173,7 @@ def _stuck_pattern(s: Signature) -> Optional[tuple[int, int]]:
     return bit, value
 
 
-def _stuck_at(s: Signature) -> Optional[_Match]:
+def _stuck_at(s: Signature) -> Optional[Match]:
     """More than an isolated number of significant elements, (sampled) >= 90% of them differing
     from the golden in exactly one bit (at or above their noise bits: rounding noise in other
     elements may carry into a few), >= 95% of those in the same bit, >= 99% with the same
@@ -309,7 +181,7 @@ def _stuck_at(s: Signature) -> Optional[_Match]:
     were already right did not change): a bit stuck at 0 or 1, reported as ``bit_flip`` with
     ``pattern="stuck_at"``."""
     c = s.counts
-    if c.significant <= _isolated_limit(s) or s.bits is None:
+    if c.significant <= isolated_limit(s) or s.bits is None:
         return None
     stuck = _stuck_pattern(s)
     if stuck is None:
@@ -317,8 +189,8 @@ def _stuck_at(s: Signature) -> Optional[_Match]:
     bit, value = stuck
     cls = bit_class(bit, s.dtype)
     ev = {"pattern": "stuck_at", "bit": bit, "bit_class": cls, "value": value,
-          "elements": c.significant, "share": c.significant / _n(s)}
-    return _Match(ev, 1.0, f"bit {bit} ({cls}) is forced to {value} in {c.significant} of "
+          "elements": c.significant, "share": c.significant / element_count(s)}
+    return Match(ev, 1.0, f"bit {bit} ({cls}) is forced to {value} in {c.significant} of "
                            f"{c.elements} elements (stuck-at-{value} pattern)")
 
 
@@ -343,7 +215,7 @@ def _rounding_reach(s: Signature, golden: float) -> float:
                                    float_format(s.dtype))
 
 
-def _rounding_at_scale(s: Signature) -> Optional[_Match]:
+def _rounding_at_scale(s: Signature) -> Optional[Match]:
     """Isolated significant elements (all listed), each smaller than the tensor's scale in both
     the golden and the candidate (|g|, |c| < rms(g)) and each within the rounding reach there
     (|c - g| <= F ULPs of the dtype at rms(g), F * sqrt(K) for a reduction of K elements
@@ -351,7 +223,7 @@ def _rounding_at_scale(s: Signature) -> Optional[_Match]:
     cancellation of terms at the tensor's scale, which another algorithm rounds differently
     (the per-element floor saw a golden that happened to cancel exactly there)."""
     c = s.counts
-    if c.significant == 0 or c.significant > _isolated_limit(s) or not _worst_all_listed(s):
+    if c.significant == 0 or c.significant > isolated_limit(s) or not worst_all_listed(s):
         return None
     if s.noise is None or c.new_nonfinite or not math.isfinite(s.noise.rms_golden):
         return None
@@ -364,11 +236,11 @@ def _rounding_at_scale(s: Signature) -> Optional[_Match]:
     ev = {"elements": [list(x.index) for x in s.worst],
           "errors": [abs(x.candidate - x.golden) for x in s.worst], "rounding_reach": reach,
           "reach_ulps": _reach_ulps(s), "rms_golden": s.noise.rms_golden}
-    return _Match(ev, 0.6, f"{c.significant} isolated elements beyond their own floor but "
-                           f"within rounding at the tensor's scale (e.g. {_idx(w)}: "
-                           f"{_change(w.golden, w.candidate)}, |error| "
-                           f"{_g(abs(w.candidate - w.golden))} <= {_g(reach[0])}, "
-                           f"{_g(_reach_ulps(s))} ULPs at rms {_g(s.noise.rms_golden)})")
+    return Match(ev, 0.6, f"{c.significant} isolated elements beyond their own floor but "
+                           f"within rounding at the tensor's scale (e.g. {index_text(w)}: "
+                           f"{change_text(w.golden, w.candidate)}, |error| "
+                           f"{short(abs(w.candidate - w.golden))} <= {short(reach[0])}, "
+                           f"{short(_reach_ulps(s))} ULPs at rms {short(s.noise.rms_golden)})")
 
 
 def _beyond_rounding(s: Signature) -> Optional[list[float]]:
@@ -382,7 +254,7 @@ def _beyond_rounding(s: Signature) -> Optional[list[float]]:
     return None
 
 
-def _bit_flip(s: Signature) -> Optional[_Match]:
+def _bit_flip(s: Signature) -> Optional[Match]:
     """Isolated significant elements (all listed), each the golden with exactly one bit flipped:
     differing in exactly one bit or, when other elements differ within the noise floor, turned
     back within twice its floor of the golden by flipping one bit; and each flip above what
@@ -392,11 +264,11 @@ def _bit_flip(s: Signature) -> Optional[_Match]:
     c = s.counts
     if c.significant == 0 or s.bits is None:
         return None
-    if c.significant > _isolated_limit(s) or not _worst_all_listed(s):
+    if c.significant > isolated_limit(s) or not worst_all_listed(s):
         return None
     flips = []
     for w in s.worst:
-        hb = _fault_bits(w, s.dtype)
+        hb = fault_bits(w, s.dtype)
         if len(hb) != 1:
             return None
         flips.append((w, hb[0]))
@@ -411,14 +283,8 @@ def _bit_flip(s: Signature) -> Optional[_Match]:
           "flip_sizes": [abs(x.candidate - x.golden) for x, _ in flips],
           "rounding_reach": reach, "reach_ulps": _reach_ulps(s)}
     more = f" (+{len(flips) - 1} more elements)" if len(flips) > 1 else ""
-    return _Match(ev, 1.0, f"one bit differs at {_idx(w)}: bit {bit} ({cls}), "
-                           f"{_change(w.golden, w.candidate)}{more}")
-
-
-def _flip_limit(dtype: str) -> int:
-    """Most differing bits a multi-bit flip may have (T): more is indistinguishable from a
-    random value."""
-    return {16: 3, 32: 4, 64: 6}.get(float_format(dtype).bits, 4)
+    return Match(ev, 1.0, f"one bit differs at {index_text(w)}: bit {bit} ({cls}), "
+                           f"{change_text(w.golden, w.candidate)}{more}")
 
 
 def _canonical_nonfinite(w, dtype: str) -> bool:
@@ -429,37 +295,38 @@ def _canonical_nonfinite(w, dtype: str) -> bool:
     return mant in (0, 1 << (f.mantissa_bits - 1))
 
 
-def _nan_inf(s: Signature) -> Optional[_Match]:
+def _nan_inf(s: Signature) -> Optional[Match]:
     """The candidate is NaN or +-inf at >= 1 element where the golden is finite, unless every
     significant element is isolated and differs from the golden in at most T bits with a
     non-canonical NaN (an exponent bit flip that produced a NaN: left to the bit-flip rules)."""
     c = s.counts
     if c.new_nonfinite == 0:
         return None
-    if (c.significant <= _isolated_limit(s) and _worst_all_listed(s) and all(
-            len(_fault_bits(w, s.dtype)) <= _flip_limit(s.dtype) and not (
+    if (c.significant <= isolated_limit(s) and worst_all_listed(s) and all(
+            len(fault_bits(w, s.dtype)) <= flip_limit(s.dtype) and not (
                 math.isnan(w.candidate) and _canonical_nonfinite(w, s.dtype)) and not (
-                math.isinf(w.candidate) and len(_fault_bits(w, s.dtype)) > 1)
+                math.isinf(w.candidate) and len(fault_bits(w, s.dtype)) > 1)
             for w in s.worst)):
         return None
     w = next((x for x in s.worst if not math.isfinite(x.candidate)), None)
-    at = f", first at {_idx(w)} ({_g(w.candidate)} where the golden is {_g(w.golden)})" if w else ""
+    at = (f", first at {index_text(w)} ({short(w.candidate)} where the golden is "
+          f"{short(w.golden)})") if w else ""
     ev = {"new_nonfinite": c.new_nonfinite, "nonfinite_golden": c.nonfinite_golden,
           "elements": [list(x.index) for x in s.worst if not math.isfinite(x.candidate)]}
-    return _Match(ev, 1.0, f"{c.new_nonfinite} non-finite values where the golden is "
+    return Match(ev, 1.0, f"{c.new_nonfinite} non-finite values where the golden is "
                            f"finite{at}")
 
 
-def _multi_bit_flip(s: Signature) -> Optional[_Match]:
+def _multi_bit_flip(s: Signature) -> Optional[Match]:
     """Isolated significant elements (all listed), each the golden with 2..T bits flipped (found
     as for bit_flip; T = 3 for 16-bit, 4 for 32-bit, 6 for 64-bit dtypes; a value differing in
     more bits is indistinguishable from a random value), each beyond what rounding at the
     tensor's scale reaches (as for bit_flip)."""
     c = s.counts
-    if c.significant == 0 or c.significant > _isolated_limit(s) or not _worst_all_listed(s):
+    if c.significant == 0 or c.significant > isolated_limit(s) or not worst_all_listed(s):
         return None
-    limit = _flip_limit(s.dtype)
-    per = [_fault_bits(w, s.dtype) for w in s.worst]
+    limit = flip_limit(s.dtype)
+    per = [fault_bits(w, s.dtype) for w in s.worst]
     if not all(2 <= len(h) <= limit for h in per):
         return None
     reach = _beyond_rounding(s)
@@ -470,12 +337,12 @@ def _multi_bit_flip(s: Signature) -> Optional[_Match]:
     ev = {"elements": [list(x.index) for x in s.worst], "bits": [list(h) for h in per],
           "classes": classes, "flip_sizes": [abs(x.candidate - x.golden) for x in s.worst],
           "rounding_reach": reach, "reach_ulps": _reach_ulps(s)}
-    return _Match(ev, 0.9, f"{len(per[0])} bits differ at {_idx(w)}: bits "
+    return Match(ev, 0.9, f"{len(per[0])} bits differ at {index_text(w)}: bits "
                            f"{', '.join(map(str, per[0]))} ({'/'.join(classes)}), "
-                           f"{_change(w.golden, w.candidate)}")
+                           f"{change_text(w.golden, w.candidate)}")
 
 
-def _permuted_layout(s: Signature) -> Optional[_Match]:
+def _permuted_layout(s: Signature) -> Optional[Match]:
     """>= 2 significant elements and either (a) the candidate equals the golden with its last two
     axes swapped (within the floor), or (b) the sorted candidate equals the sorted golden within
     the floor, the sorted arrays differ bitwise in at most as many positions as elements are
@@ -487,7 +354,7 @@ def _permuted_layout(s: Signature) -> Optional[_Match]:
         return None
     if p.is_transpose:
         ev = {"transpose": True, "significant": c.significant}
-        return _Match(ev, 1.0, f"the output is the golden transposed (last two axes swapped; "
+        return Match(ev, 1.0, f"the output is the golden transposed (last two axes swapped; "
                                f"{c.significant} elements out of place)")
     if not p.is_permutation or p.sorted_differ is None or p.sorted_differ > c.mismatched:
         return None
@@ -507,12 +374,12 @@ def _permuted_layout(s: Signature) -> Optional[_Match]:
             where += f", pattern repeats every {st.period[-2]} rows"
             ev["period_rows"] = st.period[-2]
     exact = " (exactly the same values)" if p.sorted_differ == 0 else ""
-    return _Match(ev, 1.0 if p.sorted_differ == 0 else 0.8,
+    return Match(ev, 1.0 if p.sorted_differ == 0 else 0.8,
                   f"same values in the wrong places{exact}: {c.significant} elements "
                   f"moved{where}")
 
 
-def _tile_boundary(s: Signature) -> Optional[_Match]:
+def _tile_boundary(s: Signature) -> Optional[Match]:
     """Along axis -1 or -2 and for a block size in (8, 16, 32, 64, 128): >= 95% of the
     significant errors lie in that block pattern's indices (block edges, or the last (partial)
     block) and >= 50% of the pattern's elements are significant, the pattern being a strict
@@ -529,7 +396,7 @@ def _tile_boundary(s: Signature) -> Optional[_Match]:
     if best is None:
         return None
     m = best[1]
-    ax = _axis_name(m.axis)
+    ax = axis_name(m.axis)
     ev = {"axis": m.axis, "block": m.block, "pattern": m.pattern, "precision": m.precision,
           "recall": m.recall}
     if m.pattern == "last_block":
@@ -542,15 +409,15 @@ def _tile_boundary(s: Signature) -> Optional[_Match]:
                   f"{ax})")
     else:
         detail = (f"errors on the edges of blocks of {m.block} along {ax} (first/last index of "
-                  f"each block; {_share(m.recall)} of edge elements wrong)")
+                  f"each block; {percent(m.recall)} of edge elements wrong)")
     others = sorted({x.block for x in st.blocks if x.pattern == m.pattern and x.axis == m.axis
                      and x.precision >= 0.95 and x.recall >= 0.5 and x.block != m.block})
     if others:
         ev["also_fits_blocks"] = others
-    return _Match(ev, min(1.0, m.precision * (0.5 + 0.5 * m.recall)), detail)
+    return Match(ev, min(1.0, m.precision * (0.5 + 0.5 * m.recall)), detail)
 
 
-def _operand_corruption(s: Signature) -> Optional[_Match]:
+def _operand_corruption(s: Signature) -> Optional[Match]:
     """Significant errors fill 1 or 2 whole rows (>= 90% of each row, over the flattened leading
     axes) or 1 or 2 whole columns, those hold >= 95% of the significant errors, slices are >= 2
     long, and the leaf has more rows (columns) than that."""
@@ -566,12 +433,12 @@ def _operand_corruption(s: Signature) -> Optional[_Match]:
             hint = ("a bad input row (lhs row)" if kind == "row"
                     else "a bad weight column (rhs column)")
             names = ", ".join(map(str, idx))
-            return _Match(ev, share, f"whole {kind}{'s' if n_full > 1 else ''} {names} wrong "
-                                     f"({_share(share)} of the errors): {hint}")
+            return Match(ev, share, f"whole {kind}{'s' if n_full > 1 else ''} {names} wrong "
+                                     f"({percent(share)} of the errors): {hint}")
     return None
 
 
-def _sign_flip(s: Signature) -> Optional[_Match]:
+def _sign_flip(s: Signature) -> Optional[Match]:
     """>= 2 significant elements and either >= 99% of the sampled significant elements are the
     golden negated (differing only in the sign bit, or, when other elements differ within
     noise, of opposite sign with |c + g| within the floor), or the ratio candidate/golden is
@@ -583,28 +450,29 @@ def _sign_flip(s: Signature) -> Optional[_Match]:
     if b.negated < 0.99 and not minus_one:
         return None
     ev = {"negated_share": b.negated, "significant": s.counts.significant,
-          "share_of_elements": s.counts.significant / _n(s), "ratio_minus_one": minus_one}
+          "share_of_elements": s.counts.significant / element_count(s),
+          "ratio_minus_one": minus_one}
     allv = s.counts.significant >= 0.99 * (s.counts.elements - 0)
     what = "the whole output is negated" if allv else \
         f"{s.counts.significant} of {s.counts.elements} elements are negated"
-    return _Match(ev, max(b.negated, 0.9 if minus_one else 0.0), what)
+    return Match(ev, max(b.negated, 0.9 if minus_one else 0.0), what)
 
 
-def _zeroed(s: Signature) -> Optional[_Match]:
+def _zeroed(s: Signature) -> Optional[Match]:
     """>= 99% of the sampled significant elements are +-0 in the candidate (and non-zero in the
     golden, since they differ)."""
     b = s.bits
     if b is None or s.counts.significant == 0 or b.candidate_zero < 0.99:
         return None
     ev = {"zero_share": b.candidate_zero, "significant": s.counts.significant,
-          "share_of_elements": s.counts.significant / _n(s)}
+          "share_of_elements": s.counts.significant / element_count(s)}
     what = ("the candidate is all zeros" if s.counts.significant >= 0.99 * s.counts.elements
             else f"{s.counts.significant} of {s.counts.elements} elements are 0 in the "
                  "candidate")
-    return _Match(ev, b.candidate_zero, what)
+    return Match(ev, b.candidate_zero, what)
 
 
-def _wrong_scale(s: Signature) -> Optional[_Match]:
+def _wrong_scale(s: Signature) -> Optional[Match]:
     """Either the ratio candidate/golden over the golden values with |g| >= rms(g) is constant
     (spread within the noise tolerance) and differs from 1 by more than the tolerance; or >= 90%
     of the rows holding significant errors have their own constant ratio != 1 (a per-row
@@ -614,13 +482,13 @@ def _wrong_scale(s: Signature) -> Optional[_Match]:
         return None
     if r.constant and abs(r.median - 1.0) > r.tolerance:
         ev = {"ratio": r.median, "spread": r.spread, "tolerance": r.tolerance, "n": r.n}
-        return _Match(ev, 1.0 if r.spread <= 0.5 * r.tolerance else 0.8,
-                      f"the output is {_apart(r.median, 1.0)[0]}x the golden (constant ratio, "
-                      f"spread {_g(r.spread)})")
+        return Match(ev, 1.0 if r.spread <= 0.5 * r.tolerance else 0.8,
+                      f"the output is {apart(r.median, 1.0)[0]}x the golden (constant ratio, "
+                      f"spread {short(r.spread)})")
     if r.rows_constant >= 0.9:
         ev = {"rows_constant": r.rows_constant, "tolerance": r.tolerance}
-        return _Match(ev, r.rows_constant, f"each row is the golden times its own constant "
-                                           f"({_share(r.rows_constant)} of the wrong rows)")
+        return Match(ev, r.rows_constant, f"each row is the golden times its own constant "
+                                           f"({percent(r.rows_constant)} of the wrong rows)")
     return None
 
 
@@ -647,16 +515,7 @@ def _format_magnitudes(s: Signature) -> tuple[float, ...]:
     return (rms,) if rms is not None and math.isfinite(rms) else ()
 
 
-def format_phrase(formats) -> str:
-    """How a summary names the narrow formats a result fits: "tf32", "tf32/fp16-like" (two
-    formats with the same mantissa that the values could not tell apart), or "" for none."""
-    formats = tuple(formats)
-    if not formats:
-        return ""
-    return formats[0] if len(formats) == 1 else "/".join(formats) + "-like"
-
-
-def _reduced_precision(s: Signature) -> Optional[_Match]:
+def _reduced_precision(s: Signature) -> Optional[Match]:
     """Dense small errors (>= 50% of the elements mismatched, median relative error <= 1/8, no
     new non-finite value, and either the float64 distribution test fails or >= 10% of the
     elements are significant) and either (a) the candidate's values use >= 2 fewer mantissa
@@ -679,7 +538,7 @@ def _reduced_precision(s: Signature) -> Optional[_Match]:
               "golden_grid_bits": p.golden_grid_bits,
               "beyond_half_ulp_on_grid": p.beyond_half_ulp_on_grid}
         named = f"{format_phrase(formats)}, " if formats else ""
-        return _Match(ev, 1.0, f"output rounded to {named}{p.candidate_grid_bits} mantissa bits "
+        return Match(ev, 1.0, f"output rounded to {named}{p.candidate_grid_bits} mantissa bits "
                                f"({s.dtype} has {nmant}): every value is the golden rounded "
                                "to that grid")
     if not (e.error_slope < SLOPE_THRESHOLD) or abs(e.bias_t) >= BIAS_T_THRESHOLD:
@@ -690,28 +549,15 @@ def _reduced_precision(s: Signature) -> Optional[_Match]:
           "error_slope": e.error_slope, "bias_t": e.bias_t,
           "median_rel_error": 2.0 ** -(bits + 2)}
     conf = max(0.5, min(1.0, 0.5 + (SLOPE_THRESHOLD - e.error_slope) / (2 * SLOPE_THRESHOLD)))
-    slope = f"error independent of the value, slope {_g(e.error_slope)}"
+    slope = f"error independent of the value, slope {short(e.error_slope)}"
     if formats:
-        return _Match(ev, conf, f"inputs rounded to {format_phrase(formats)} (about {bits:.0f} "
+        return Match(ev, conf, f"inputs rounded to {format_phrase(formats)} (about {bits:.0f} "
                                 f"effective mantissa bits; {s.dtype} has {nmant}; {slope})")
-    return _Match(ev, conf, f"about {bits:.0f} effective mantissa bits ({s.dtype} has {nmant}): "
+    return Match(ev, conf, f"about {bits:.0f} effective mantissa bits ({s.dtype} has {nmant}): "
                             f"inputs or products rounded to a narrower format ({slope})")
 
 
-def narrowed(d: Diagnosis, formats) -> Diagnosis:
-    """A ``reduced_precision`` diagnosis `d` with its narrow formats cut down to those also in
-    `formats` (other evidence, e.g. another input range that ruled float16 out); `d` itself when
-    that changes nothing or leaves none."""
-    old = tuple(d.evidence.get("formats") or ())
-    new = tuple(f for f in old if f in tuple(formats))
-    if d.model != "reduced_precision" or not new or new == old:
-        return d
-    return dataclasses.replace(
-        d, evidence={**d.evidence, "formats": list(new)},
-        summary=d.summary.replace(f"to {format_phrase(old)}", f"to {format_phrase(new)}", 1))
-
-
-def _low_precision_accumulation(s: Signature) -> Optional[_Match]:
+def _low_precision_accumulation(s: Signature) -> Optional[Match]:
     """Dense small errors (`_dense_numerical`: >= 10% of the elements significant, or the
     float64 distribution test fails in its body and its 99th percentile alike) and either (a)
     the candidate's values use >= 2 fewer mantissa bits than the golden's but > 1% of the
@@ -728,33 +574,33 @@ def _low_precision_accumulation(s: Signature) -> Optional[_Match]:
     if p.on_narrow_grid:
         ev["max_ulp_on_grid"] = p.max_ulp_on_grid
         ev["beyond_half_ulp_on_grid"] = p.beyond_half_ulp_on_grid
-        return _Match(ev, 1.0, f"accumulated in a {p.candidate_grid_bits}-mantissa-bit format "
-                               f"(values on that grid, up to {_g(p.max_ulp_on_grid)} of its ULPs "
-                               "off: rounded at every step)")
+        return Match(ev, 1.0, f"accumulated in a {p.candidate_grid_bits}-mantissa-bit format "
+                               f"(values on that grid, up to {short(p.max_ulp_on_grid)} of its "
+                               "ULPs off: rounded at every step)")
     if e.error_slope >= SLOPE_THRESHOLD or abs(e.bias_t) >= BIAS_T_THRESHOLD:
-        why = (f"error grows with the value (slope {_g(e.error_slope)})"
-               if e.error_slope >= SLOPE_THRESHOLD else f"biased error (t = {_g(e.bias_t)})")
+        why = (f"error grows with the value (slope {short(e.error_slope)})"
+               if e.error_slope >= SLOPE_THRESHOLD else f"biased error (t = {short(e.bias_t)})")
         conf = max(0.5, min(1.0, 0.5 + abs(e.error_slope - SLOPE_THRESHOLD) / 0.6))
-        return _Match(ev, conf, f"about {p.effective_mantissa_bits:.0f} effective mantissa bits "
+        return Match(ev, conf, f"about {p.effective_mantissa_bits:.0f} effective mantissa bits "
                                 f"({s.dtype} has {nmant}), {why}: a narrow accumulator")
     return None
 
 
-def _random_value(s: Signature) -> Optional[_Match]:
+def _random_value(s: Signature) -> Optional[Match]:
     """>= 50% of the significant elements are off by >= 1/16 relative (or non-finite), with no
     structure found by the rules above (values replaced, not rounded)."""
     c = s.counts
     if c.significant == 0 or s.errors.large_rel_significant < 0.5:
         return None
-    ev = {"significant": c.significant, "share_of_elements": c.significant / _n(s),
+    ev = {"significant": c.significant, "share_of_elements": c.significant / element_count(s),
           "large_error_share": s.errors.large_rel_significant}
     w = s.worst[0] if s.worst else None
-    ex = f", e.g. {_idx(w)}: {_change(w.golden, w.candidate)}" if w else ""
-    return _Match(ev, s.errors.large_rel_significant,
+    ex = f", e.g. {index_text(w)}: {change_text(w.golden, w.candidate)}" if w else ""
+    return Match(ev, s.errors.large_rel_significant,
                   f"{c.significant} of {c.elements} elements hold unrelated values{ex}")
 
 
-def _unknown(s: Signature) -> Optional[_Match]:
+def _unknown(s: Signature) -> Optional[Match]:
     """Anything else (fails: no model fits)."""
     c = s.counts
     ev = {"significant": c.significant, "mismatched": c.mismatched,
@@ -762,14 +608,14 @@ def _unknown(s: Signature) -> Optional[_Match]:
     if c.significant == 0 and s.noise is not None and s.noise.distribution_ok is False:
         ev["candidate_ulp_quantiles"] = dict(s.noise.candidate_ulp_quantiles)
         ev["golden_ulp_quantiles"] = dict(s.noise.golden_ulp_quantiles)
-        return _Match(ev, 0.5, "error distribution worse than the golden's (median or 90th, "
+        return Match(ev, 0.5, "error distribution worse than the golden's (median or 90th, "
                                "and 99th percentile ULP error) but no element beyond the "
                                "floor")
     w = s.worst[0] if s.worst else None
-    at = (f"; worst {_idx(w)}: {_change(w.golden, w.candidate)}, |error| "
-          f"{_g(abs(w.candidate - w.golden))} against a floor of {_g(w.floor)}") if w else ""
-    return _Match(ev, 0.5, f"{c.significant} of {c.elements} elements beyond the noise floor "
-                           f"(max {_g(s.errors.max_floor_ratio)}x{at}), no model fits")
+    at = (f"; worst {index_text(w)}: {change_text(w.golden, w.candidate)}, |error| "
+          f"{short(abs(w.candidate - w.golden))} against a floor of {short(w.floor)}") if w else ""
+    return Match(ev, 0.5, f"{c.significant} of {c.elements} elements beyond the noise floor "
+                           f"(max {short(s.errors.max_floor_ratio)}x{at}), no model fits")
 
 
 RULES: tuple[Rule, ...] = (
@@ -797,116 +643,13 @@ RULES: tuple[Rule, ...] = (
 """The ordered sufficient conditions; the first that holds decides the model."""
 
 
-# ----------------------------------------------------------------------------------------------
-# Conditions over the candidate evaluated in float64 (check_kernel supplies the numbers)
-# ----------------------------------------------------------------------------------------------
-
-class Float64Evidence(NamedTuple):
-    """One failing output, with the candidate also evaluated in float64 on the same inputs.
-
-    Attributes:
-      dtype: the candidate's output dtype (its float format).
-      error: max |candidate - float64 reference| (output units).
-      error64: max |candidate run in float64 - float64 reference| (output units; inf where the
-        float64 run is non-finite and the reference is not).
-      scale: max |float64 reference| over its finite elements.
-      reference_error: max |reference in the dtype - float64 reference| (output units).
-      in_float64: False when every value of the float64 run is representable in `dtype`: the
-        candidate computed in its own dtype inside (a kernel that casts to float32), so its
-        "float64" run says nothing about its algorithm and no float64 rule applies.
-    """
-
-    dtype: str
-    error: float
-    error64: float
-    scale: float
-    reference_error: float
-    in_float64: bool = True
-
-
-UNSTABLE_FACTOR = 8.0
-"""How many times the reference's own max |error| (and the dtype's roundoff at the output's
-scale) a candidate's max |error| must exceed to be called unstable: a correct algorithm of the
-same dtype rounds about as much as the reference does."""
-
-
-def _unit_roundoff(dtype: str) -> float:
-    return 2.0 ** -(float_format(dtype).mantissa_bits + 1)
-
-
-def _unstable_algorithm(d: Diagnosis, f: Float64Evidence) -> Optional[_Match]:
-    """The check fails with a model other than reduced_precision or nondeterministic; the
-    candidate really computes in float64 when given float64 inputs (`in_float64`); evaluated
-    so, it matches the float64 reference to within u * max|reference|
-    (u the unit roundoff of the candidate's dtype: its algorithm computes the right function);
-    and in its dtype its max |error| exceeds 8 times both that bound and the reference's own
-    max |error| (the dtype's rounding amplified: cancellation, as in a one-pass variance, or an
-    intermediate that overflows)."""
-    if d.passed or d.model in ("reduced_precision", "nondeterministic") or not f.in_float64:
-        return None
-    bound = _unit_roundoff(f.dtype) * f.scale
-    if not (f.error64 <= bound and f.error > UNSTABLE_FACTOR * max(bound, f.reference_error)):
-        return None
-    ev = {"error": f.error, "error_float64": f.error64, "reference_max": f.scale,
-          "reference_error": f.reference_error, "would_be": d.model}
-    return _Match(ev, 0.9, f"the algorithm is right (run in float64 its max |error| is "
-                           f"{_g(f.error64)}, below {f.dtype}'s roundoff at the output's scale "
-                           f"{_g(bound)}) but in {f.dtype} it loses it: max |error| "
-                           f"{_g(f.error)} (cancellation or overflow in an intermediate; "
-                           f"the rules alone said {d.model})")
-
-
-def _approximation(d: Diagnosis, f: Float64Evidence) -> Optional[_Match]:
-    """The check fails as low_precision_accumulation by the error's slope or bias (its values
-    are not on a narrower grid), or as reduced_precision of the inputs with no narrow format
-    fitting, and the candidate, really computing in float64 (`in_float64`), is still off the
-    float64 reference by at least half its error in its own dtype (the difference is in the function
-    computed, e.g. tanh-GELU for the exact GELU or a polynomial exp, not in rounding)."""
-    ev = d.evidence
-    dense = (d.model == "low_precision_accumulation" and "max_ulp_on_grid" not in ev) or (
-        d.model == "reduced_precision" and ev.get("where") == "inputs" and not ev.get("formats"))
-    if d.passed or not dense or not f.in_float64 or not (f.error > 0 and
-                                                         f.error64 >= 0.5 * f.error):
-        return None
-    ev = {"error": f.error, "error_float64": f.error64, "reference_max": f.scale,
-          "would_be": d.model}
-    return _Match(ev, 0.8, f"a different function, not rounding: run in float64 it is still "
-                           f"{_g(f.error64)} off (max |error| {_g(f.error)} in {f.dtype}; "
-                           f"relative {_g(f.error64 / f.scale if f.scale else 0.0)})")
-
-
-FLOAT64_RULES: tuple[tuple[str, Callable[[Diagnosis, Float64Evidence], Optional[_Match]]], ...] \
-    = (("unstable_algorithm", _unstable_algorithm), ("approximation", _approximation))
-"""(model, condition) over a failing diagnosis and the candidate's float64 evaluation, in
-order; `check_kernel` applies them (`by_float64`)."""
-
-
-def by_float64(d: Diagnosis, f: Float64Evidence, *, allow: Iterable[str] = ()) -> Diagnosis:
-    """`d` renamed by the first of `FLOAT64_RULES` whose condition holds (``evidence["rule"]``
-    names it, ``evidence["would_be"]`` keeps the signature rules' model), else `d` itself."""
-    for model, test in FLOAT64_RULES:
-        m = test(d, f)
-        if m is None:
-            continue
-        allowed = model in frozenset(allow)
-        kept = ("leaf", "max_floor_ratio", "conditioning_floor", "rounding_floor")
-        ev = {**{k: v for k, v in d.evidence.items() if k in kept},
-              **m.evidence, "rule": model}
-        if allowed:
-            ev["allowed"] = True
-        verdict = "passes" if allowed else "fails"
-        return Diagnosis(model, allowed, m.confidence, _plain(ev),
-                         f"{verdict}: {model}{' (allowed)' if allowed else ''}, {m.detail}")
-    return d
-
-
 def bitwise_equal(elements: int, comparison: str = "golden") -> Diagnosis:
     """The diagnosis `detect` gives two outputs whose every element (`elements` in all) is
     bitwise equal (rule ``exact``), for a caller that compared their bytes itself: nothing
     to analyse. `comparison`: as in `peat.analyze` ("golden" or "repeat")."""
     m = _exact_match(int(elements), comparison)
     return Diagnosis(model="exact", passed=True, confidence=m.confidence,
-                     evidence=_plain({**m.evidence, "rule": "exact", "max_floor_ratio": 0.0}),
+                     evidence=plain({**m.evidence, "rule": "exact", "max_floor_ratio": 0.0}),
                      summary=f"passes: exact, {m.detail}")
 
 
@@ -940,22 +683,10 @@ def only_on_odd_shapes(d: Diagnosis, failing_variants: Iterable[str],
             "tile_boundary", "permuted_layout", "data_race"):
         return d
     ev = {**d.evidence, "rule": "only_on_odd_shapes", "would_be": d.model}
-    return Diagnosis("tile_boundary", False, 0.8, _plain(ev),
+    return Diagnosis("tile_boundary", False, 0.8, plain(ev),
                      "fails: tile_boundary, wrong only when a dimension is not a multiple of "
                      f"the block (passes on the example shapes; the rules alone said {d.model}: "
                      f"{d.summary.split(', ', 1)[-1]})")
-
-
-def severity(d: Diagnosis) -> tuple:
-    """Sort key of diagnoses, worst last: failing before passing, then by model class (nan_inf
-    worst; precision models milder than faults and bugs), then by the evidence's floor ratio."""
-    rank = taxonomy.severity_rank(d.model)
-    ratio = d.evidence.get("max_floor_ratio", 0.0)
-    try:
-        ratio = float(ratio)
-    except (TypeError, ValueError):
-        ratio = 0.0
-    return (not d.passed, rank, ratio if math.isfinite(ratio) else 1e300)
 
 
 def detect(signature: Signature, *, allow: Iterable[str] = ()) -> Diagnosis:
@@ -1009,26 +740,7 @@ def _detect_leaf(s: Signature, allow: frozenset) -> Diagnosis:
         leaf = f" [{s.path}]" if s.path else ""
         allowed = " (allowed)" if ev.get("allowed") else ""
         summary = f"{verdict}: {model}{allowed}{leaf}, {m.detail}"
-        return Diagnosis(model, passed, float(round(m.confidence, 3)), _plain(ev), summary)
+        return Diagnosis(model, passed, float(round(m.confidence, 3)), plain(ev), summary)
     raise AssertionError("the unknown rule always matches")  # pragma: no cover
 
 
-def _plain(x):
-    """Evidence as JSON-able Python values."""
-    if isinstance(x, Mapping):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if isinstance(x, bool) or x is None or isinstance(x, str):
-        return x
-    if isinstance(x, int):
-        return int(x)
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return str(x)
-    if math.isnan(v):
-        return "nan"
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    return v
