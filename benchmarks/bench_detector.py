@@ -25,7 +25,8 @@ seconds: wall time of the whole run; rounding_floor_seconds and rounding_floor_s
   spent computing rounding floors (`judge.rounding`: the Monte Carlo evaluations of the
   reference, compile included) and its share of `seconds`.
 
-Prints one JSON object on one line. Runs with no arguments in a few minutes on 2 CPU cores;
+Prints one JSON object on one line. The two corpora run side by side, the third-party one in a
+second process (2 CPU cores: about 10 minutes);
 `--table PATH` also writes the Markdown table of docs/error_models.md ("The corpus");
 `--third-party-table PATH` the third-party verdicts (entry, seed, passed, model, summary);
 `--third-party-only` runs the third-party corpus alone (`--only NAME ...` some of its entries).
@@ -34,11 +35,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import io
 import json
 import pathlib
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -179,24 +182,69 @@ def main(argv=None) -> dict:
     p.add_argument("--third-party-only", action="store_true",
                    help="run the third-party corpus alone")
     p.add_argument("--only", nargs="+", metavar="NAME", help="these third-party entries only")
+    p.add_argument("--rows-out", help=argparse.SUPPRESS)   # the third-party process' rows
     p.add_argument("--progress", action="store_true",
                    help="a line per third-party run on stderr")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     with _Timed() as timer:
         out = _run(args, timer)
-    print(json.dumps(out))
+    if out:   # (the third-party process of a full run writes its rows instead)
+        print(json.dumps(out))
     return out
 
 
 def _run(args, timer: _Timed) -> dict:
     t0 = time.perf_counter()
-    tp_rows, tp_skipped = run_third_party(args.only, args.progress, args.third_party_table)
-    tp = third_party_figures(tp_rows, tp_skipped)
-    if args.third_party_table:
-        pathlib.Path(args.third_party_table).write_text(third_party_table(tp_rows, tp_skipped))
     if args.third_party_only:
-        return {**tp, **_rounding_figures(timer, time.perf_counter() - t0)}
+        tp_rows, tp_skipped = run_third_party(args.only, args.progress, args.third_party_table)
+        if args.rows_out:
+            _write_rows(args.rows_out, tp_rows, tp_skipped, timer.seconds)
+            return {}
+        return {**third_party_figures(tp_rows, tp_skipped),
+                **_rounding_figures(timer, time.perf_counter() - t0)}
+    # the third-party corpus in a second process beside this one's corpus: the two halves are
+    # independent, and a process each uses both cores of a small machine (XLA compiles on one)
+    with tempfile.TemporaryDirectory(prefix="peat-third-party-") as tmp:
+        rows_path = pathlib.Path(tmp) / "rows.json"
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--third-party-only", "--rows-out", str(rows_path),
+             *(["--progress"] if args.progress else []),
+             *(["--third-party-table", args.third_party_table]
+               if args.third_party_table else [])])
+        try:
+            own = _own_corpus(args)
+        finally:
+            rc = child.wait()
+        if rc != 0:
+            raise SystemExit(f"the third-party corpus' process failed (exit {rc})")
+        tp_rows, tp_skipped, child_rounding = _read_rows(rows_path)
+    timer.seconds += child_rounding
+    return {**own["figures"], **third_party_figures(tp_rows, tp_skipped),
+            **_rounding_figures(timer, time.perf_counter() - t0), "entries": own["entries"]}
+
+
+def _write_rows(path: str, rows, skipped, rounding_seconds: float) -> None:
+    """The third-party runs as JSON, for the parent process (`_read_rows`)."""
+    pathlib.Path(path).write_text(json.dumps({
+        "rows": [{"entry": e.name, "seed": seed, "seconds": secs,
+                  "diagnosis": dataclasses.asdict(d)} for e, seed, d, secs in rows],
+        "skipped": [[e.name, why] for e, why in skipped],
+        "rounding_seconds": rounding_seconds}, default=repr))
+
+
+def _read_rows(path: pathlib.Path) -> tuple[list, list, float]:
+    """(rows, skipped, rounding seconds) as `run_third_party` returns them, from `_write_rows`."""
+    data = json.loads(path.read_text())
+    by_name = {e.name: e for e in third_party.ENTRIES}
+    rows = [(by_name[r["entry"]], r["seed"], peat.Diagnosis(**r["diagnosis"]), r["seconds"])
+            for r in data["rows"]]
+    skipped = [(by_name[name], why) for name, why in data["skipped"]]
+    return rows, skipped, data["rounding_seconds"]
+
+
+def _own_corpus(args) -> dict:
+    """The project's own corpus through check_kernel and playback: {"figures", "entries"}."""
     rows, entries, played = [], {}, {}
     scratch = tempfile.TemporaryDirectory(prefix="peat-corpus-")
     run_dir = golden_run(pathlib.Path(scratch.name) / "run")
@@ -211,7 +259,7 @@ def _run(args, timer: _Timed) -> dict:
                            sorted(played[e.name].models)]
     bugs = [(e, d) for e, d in rows if e.kind == "bug"]
     correct = [(e, d) for e, d in rows if e.kind == "correct"]
-    out = {
+    figures = {
         "bugs": len(bugs), "correct": len(correct),
         "recall": round(sum(not d.passed for _, d in bugs) / max(len(bugs), 1), 3),
         "false_alarms": sum(not d.passed for _, d in correct),
@@ -224,14 +272,11 @@ def _run(args, timer: _Timed) -> dict:
                                  / max(len(bugs), 1), 3),
         "playback_false_alarms": sum(played[e.name].failing > 0 for e, _ in correct),
         "playback_unseen": sorted(e.name for e, _ in bugs if not played[e.name].failing),
-        **tp,
-        **_rounding_figures(timer, time.perf_counter() - t0),
-        "entries": entries,
     }
     scratch.cleanup()
     if args.table:
         pathlib.Path(args.table).write_text(table(rows, played))
-    return out
+    return {"figures": figures, "entries": entries}
 
 
 if __name__ == "__main__":

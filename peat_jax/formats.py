@@ -278,9 +278,15 @@ def _round_mantissa(x, keep: int):
     return from_bits(jnp.where(special, u, rounded), x.dtype)
 
 
-def round_to_format(x, name: str):
-    """`x` rounded to the narrow format `name` (a key of `NARROW_FORMATS`), round-to-nearest-even
-    (jittable; not differentiable: its gradient is zero).
+ROUNDING_MODES = ("nearest", "toward_zero")
+"""How `round_to_format` rounds: to nearest, ties to even (a cast), or toward zero (the
+mantissa's low bits dropped: what some tensor-core input conversions do)."""
+
+
+def round_to_format(x, name: str, mode: str = "nearest"):
+    """`x` rounded to the narrow format `name` (a key of `NARROW_FORMATS`), to nearest even or,
+    with ``mode="toward_zero"``, by dropping the low mantissa bits (tf32 and bf16 only; fp16
+    rounds to nearest) (jittable; not differentiable: its gradient is zero).
 
     "tf32" / "bf16": mantissa rounded to 10 / 7 bits keeping `x`'s exponent range (for float32
     that is exactly the TF32 / bfloat16 range). "fp16": a round trip through float16 (its range
@@ -291,9 +297,26 @@ def round_to_format(x, name: str):
     """
     if already_as_narrow(x.dtype, name):
         return x
+    if mode not in ROUNDING_MODES:
+        raise ValueError(f"unknown rounding mode {mode!r}; modes are {', '.join(ROUNDING_MODES)}")
     if name == "fp16":
         return x.astype(jnp.float16).astype(x.dtype)
+    if mode == "toward_zero":
+        return _truncate_mantissa(x, NARROW_FORMATS[name].mantissa_bits)
     return _round_mantissa(x, NARROW_FORMATS[name].mantissa_bits)
+
+
+def _truncate_mantissa(x, keep: int):
+    """`x` with its mantissa cut to `keep` bits (rounded toward zero); NaN and inf unchanged."""
+    f = float_format(x.dtype)
+    drop = f.mantissa_bits - keep
+    if drop <= 0:
+        return x
+    u = to_bits(x)
+    ut = f.uint
+    cut = u & ut(~((1 << drop) - 1) & ((1 << f.bits) - 1))
+    special = (u & ut(f.exponent_mask)) == ut(f.exponent_mask)
+    return from_bits(jnp.where(special, u, cut), x.dtype)
 
 
 def narrow_formats_like(mantissa_bits: float, *, tolerance: float = 1.0,

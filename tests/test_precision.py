@@ -131,6 +131,32 @@ def test_every_variant_of_a_tf32_candidate_is_put_down_to_tf32():
     assert models <= {"reduced_precision", "exact", "numerical_noise"}
 
 
+@pytest.mark.parametrize("mode", ["nearest", "toward_zero"])
+def test_a_format_is_named_only_where_its_rounding_reproduces_the_errors(mode):
+    """Inputs rounded to TF32, to nearest or toward zero (as some tensor cores convert), are
+    named tf32; errors of that size from another function (a matmul of inputs perturbed by
+    random relative noise of TF32's size: no rounding reproduces them) name no format."""
+    a, b = _operands(SHAPES[0])
+
+    @jax.jit
+    def rounded(x, y):
+        return jnp.matmul(round_to_format(x, "tf32", mode), round_to_format(y, "tf32", mode))
+
+    d = check_kernel(rounded, jnp.matmul, a, b, variants=("example", "large"), backward=False,
+                     repeats=1)
+    assert d.model == "reduced_precision" and d.evidence["formats"] == ["tf32"], d.summary
+    noise = 2.0 ** -11 * jax.random.uniform(jax.random.key(3), a.shape, minval=-1, maxval=1)
+
+    @jax.jit
+    def perturbed(x, y):
+        return jnp.matmul(x * (1 + noise), y)
+
+    d = check_kernel(perturbed, jnp.matmul, a, b, variants=("example",), backward=False,
+                     repeats=1)
+    assert not d.passed and not d.evidence.get("formats"), d.summary
+    assert "tf32" not in d.summary.split(" [")[0] or "does not reproduce" in d.summary
+
+
 @pytest.mark.parametrize("shapes", SHAPES)
 def test_a_tf32_candidate_passes_against_a_default_precision_reference(shapes):
     """Against the reference a GPU computes at precision "default" (TF32: emulated here by a

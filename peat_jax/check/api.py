@@ -17,9 +17,10 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from peat_jax.check.judging import (Check, Found, Options, Pending, analysis_workers,
-                                    comparisons, done_future, explained_by_format,
-                                    judged_by_float64, judged_by_rounding, race_check,
+from peat_jax.check.judging import (Check, FormatOutputs, Found, Options, Pending,
+                                    analysis_workers, comparisons, confirmed_formats, done_future,
+                                    explained_by_format, judged_by_float64, judged_by_rounding,
+                                    race_check,
                                     reference_spread, repeat_checks, within_spread)
 from peat_jax.check.programs import Pinned, differentiated_positions, pairing_for, to_jax
 from peat_jax.check.running import RACE, float64_reference, run_variant
@@ -147,10 +148,12 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     finally:
         pool.shutdown(cancel_futures=True)   # a raising candidate leaves analyses queued
     checks, no_rounding = judged_by_rounding(checks, reference, found, opts, seed)
+    emulated = FormatOutputs(reference)
+    checks = confirmed_formats(checks, found.runs, emulated)
     checks = judged_by_float64(checks, candidate, found.runs, found.refs64, opts)
     checks = [within_spread(c, found.spread.get((c.variant, c.output)))
               for c in checks]
-    checks = explained_by_format(checks, found.runs, reference)
+    checks = explained_by_format(checks, found.runs, emulated)
     return verdict(checks, skipped=found.skipped, spread=found.spread, precision=precision,
                     no_float64=found.why64, float64=float64, no_rounding=no_rounding)
 

@@ -6,6 +6,7 @@ it."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -19,8 +20,9 @@ from peat_jax.check.programs import (VJP_FORWARD, Pairing, is_jitted, named_outp
                                      vjp_body, jitted_vjp, vjp_traced)
 from peat_jax.check.programs import bitwise_same
 from peat_jax.check.running import Run, conditioning_spreads, float64_outputs, outputs_again
-from peat_jax.detector import Diagnosis, bitwise_equal, by_float64, data_race, detect
-from peat_jax.formats import round_to_format
+from peat_jax.detector import (Diagnosis, bitwise_equal, by_float64, data_race, detect,
+                               format_phrase)
+from peat_jax.formats import NARROW_FORMATS, ROUNDING_MODES, round_to_format
 from peat_jax.judge.conditioning import is_float_leaf
 from peat_jax.judge.float64 import float64_evidence, max_difference
 from peat_jax.judge.reference_spread import (REFERENCE_SPREAD_FACTOR, Spread,
@@ -299,19 +301,132 @@ def reference_spread(reference, run: Run) -> dict[tuple[str, str], Spread]:
     return spread
 
 
-def _with_inputs_rounded(reference: Callable, fmt: str) -> Callable:
-    """`reference` fed its float inputs rounded to the narrow format `fmt` (straight through:
-    the gradients flow as if unrounded), what a kernel computing in `fmt` would return."""
+def _with_inputs_rounded(reference: Callable, fmt: str, mode: str = "nearest") -> Callable:
+    """`reference` fed its float inputs rounded to the narrow format `fmt` (`mode` as in
+    `formats.round_to_format`; straight through: the gradients flow as if unrounded), what a
+    kernel computing in `fmt` would return."""
     def rounded(x):
         if not is_float_leaf(x):
             return x
-        return x + jax.lax.stop_gradient(round_to_format(x, fmt) - x)
+        return x + jax.lax.stop_gradient(round_to_format(x, fmt, mode) - x)
 
     return lambda *args: reference(*jax.tree.map(rounded, args))
 
 
+FORMAT_MATCH = 0.5
+"""A failing reduced_precision check's narrow format F is confirmed when the candidate is this
+many times closer (rms over the output) to the reference fed F-rounded inputs than to the
+reference itself: a kernel that rounds its inputs to F makes the same errors element by element;
+another function (tanh-GELU for the exact one) with errors of that size makes other ones."""
+
+
+class FormatOutputs:
+    """The reference's outputs on a run's inputs rounded to a narrow format, computed once per
+    (variant, format, rounding mode) and shared by the checks that read them."""
+
+    def __init__(self, reference: Callable):
+        self.reference, self._kept = reference, {}
+
+    def __call__(self, run: Run, fmt: str, mode: str = "nearest") -> dict[str, Any]:
+        key = (run.variant, fmt, mode)
+        if key not in self._kept:
+            self._kept[key] = outputs_again(_with_inputs_rounded(self.reference, fmt, mode),
+                                            run, "reference")
+        return self._kept[key]
+
+
+def confirmed_formats(checks: list[Check], runs: dict[str, Run],
+                      emulated: FormatOutputs) -> list[Check]:
+    """`checks`, with the narrow formats of each failing precision check decided by whether
+    rounding the inputs to them reproduces its errors element by element (rounded to nearest or
+    toward zero: rms |candidate - that reference| within `FORMAT_MATCH` times rms |candidate -
+    reference|):
+
+    * a ``reduced_precision`` check of the inputs keeps the formats that reproduce them and is
+      stripped of the others (evidence ``formats_not_reproduced``): errors of that size from
+      another function are not rounding (the float64 rules then tell an approximation apart);
+    * a ``low_precision_accumulation`` check off any grid (biased errors: inputs rounded toward
+      zero are biased too) becomes ``reduced_precision`` of the formats that reproduce it
+      (evidence rule ``reproduced_by_format``, with the rounding mode)."""
+    out = []
+    for c in checks:
+        d, run = c.diagnosis, runs.get(c.variant)
+        named = list(d.evidence.get("formats") or ())
+        precision = d.model == "reduced_precision" and d.evidence.get("where") == "inputs" \
+            and named
+        biased = d.model == "low_precision_accumulation" and "max_ulp_on_grid" not in d.evidence
+        if d.passed or not (precision or biased) or run is None or \
+                c.output not in run.reference:
+            out.append(c)
+            continue
+        found = _reproducing(c, run, emulated, named if precision else list(NARROW_FORMATS))
+        if precision:
+            kept = [f for f in named if f in found]
+            out.append(c if kept == named else Check(c.variant, c.output,
+                                                     _formats_kept(d, kept)))
+        else:
+            out.append(Check(c.variant, c.output, _reproduced(d, found)) if found else c)
+    return out
+
+
+def _reproducing(c: Check, run: Run, emulated: FormatOutputs,
+                 formats: Sequence[str]) -> dict[str, str]:
+    """{format: rounding mode} of the `formats` whose rounding of the inputs reproduces the
+    candidate's errors on check `c` (see `confirmed_formats`)."""
+    cand, ref = run.candidate[c.output], run.reference[c.output]
+    off = _rms_difference(cand, ref)
+    found: dict[str, str] = {}
+    if not math.isfinite(off):   # non-finite where the reference is not: no rounding did that
+        return found
+    for f in formats:
+        for mode in ("nearest",) if f == "fp16" else ROUNDING_MODES:
+            if _rms_difference(cand, emulated(run, f, mode)[c.output]) <= FORMAT_MATCH * off:
+                found[f] = mode
+                break
+    return found
+
+
+def _formats_kept(d: Diagnosis, kept: list[str]) -> Diagnosis:
+    """`d` with only the narrow formats `kept` (none: its summary no longer names one)."""
+    old = format_phrase(d.evidence["formats"])
+    ev = {**d.evidence, "formats": kept,
+          "formats_not_reproduced": [f for f in d.evidence["formats"] if f not in kept]}
+    if kept:
+        summary = d.summary.replace(f"to {old}", f"to {format_phrase(kept)}", 1)
+    else:
+        summary = d.summary.replace(
+            f"inputs rounded to {old} (", "errors the size of inputs rounded to a narrower "
+            f"format, though rounding them to {old} does not reproduce them (", 1)
+    return dataclasses.replace(d, evidence=ev, summary=summary)
+
+
+def _reproduced(d: Diagnosis, found: dict[str, str]) -> Diagnosis:
+    """`d` (biased, off any grid) relabelled ``reduced_precision`` of the formats in `found`
+    ({format: rounding mode}), whose rounding of the inputs reproduces its errors."""
+    formats = list(found)
+    modes = sorted(set(found.values()))
+    how = " and ".join(m.replace("_", " ") for m in modes)
+    return Diagnosis(
+        model="reduced_precision", passed=False, confidence=0.8,
+        evidence={**d.evidence, "rule": "reproduced_by_format", "where": "inputs",
+                  "formats": formats, "rounding": dict(found), "would_be": d.model},
+        summary=(f"fails: reduced_precision, inputs rounded to {format_phrase(formats)} "
+                 f"({how}): that rounding reproduces the errors element by element (the rules "
+                 f"alone said {d.model})"))
+
+
+def _rms_difference(a, b) -> float:
+    """rms |a - b| over two float arrays (output units): inf where their non-finite elements
+    differ, 0.0 when both are wholly non-finite alike."""
+    x, y = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    ok = np.isfinite(x)
+    if np.any(ok != np.isfinite(y)):
+        return math.inf
+    return float(np.sqrt(np.mean((x[ok] - y[ok]) ** 2))) if ok.any() else 0.0
+
+
 def explained_by_format(checks: list[Check], runs: dict[str, Run],
-                         reference: Callable) -> list[Check]:
+                        emulated: FormatOutputs) -> list[Check]:
     """`checks`, with each failing check of another model relabelled ``reduced_precision`` when
     some check names a narrow format F and the candidate's max |error| there is within
     `REFERENCE_SPREAD_FACTOR` times that of the reference fed F-rounded inputs: rounding to F
@@ -320,7 +435,6 @@ def explained_by_format(checks: list[Check], runs: dict[str, Run],
     formats = narrowest_formats(checks)
     if not formats:
         return checks
-    emulated: dict[tuple[str, str], dict[str, Any]] = {}
     out = []
     for c in checks:
         run = runs.get(c.variant)
@@ -330,10 +444,7 @@ def explained_by_format(checks: list[Check], runs: dict[str, Run],
             continue
         error = max_difference(run.candidate[c.output], run.reference[c.output])
         for fmt in formats:
-            if (c.variant, fmt) not in emulated:
-                emulated[(c.variant, fmt)] = outputs_again(
-                    _with_inputs_rounded(reference, fmt), run, "reference")
-            own = max_difference(emulated[(c.variant, fmt)][c.output], run.reference[c.output])
+            own = max_difference(emulated(run, fmt)[c.output], run.reference[c.output])
             if 0 < own and error <= REFERENCE_SPREAD_FACTOR * own:
                 out.append(Check(c.variant, c.output, _format_explains(c.diagnosis, fmt, error,
                                                                         own)))
