@@ -19,6 +19,9 @@ from peat_jax.profiler import (GoldenRun, RuntimeResult, Workload, profile, regi
                                registered_workloads)
 from peat_jax.profiler.compare import Comparison, RunComparison, compare, compare_runs
 from peat_jax.profiler.effect import Effect
+from peat_jax.profiler.from_model import from_equinox as from_equinox
+from peat_jax.profiler.from_model import from_flax as from_flax
+from peat_jax.profiler.from_model import workload_from as workload_from
 from peat_jax.profiler.nan_origin import NanOrigin
 from peat_jax.profiler.playback import CellTimeout, PlaybackResult, playback
 from peat_jax.profiler.runtime import runtime
@@ -57,6 +60,8 @@ __all__ = [
     "faults",
     "flax_regions",
     "format_sites",
+    "from_equinox",
+    "from_flax",
     "inject",
     "kernels",
     "list_sites",
@@ -74,4 +79,5 @@ __all__ = [
     "switched",
     "testing",
     "with_probability",
+    "workload_from",
 ]

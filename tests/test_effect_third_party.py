@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -57,46 +56,32 @@ def _transformers():
     return transformers
 
 
-def _module(tf, kind: str):
+def _model(tf, kind: str):
     if kind == "gpt2":
         cfg = tf.GPT2Config(vocab_size=V, n_positions=16, n_embd=32, n_layer=1, n_head=2,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        return tf.FlaxGPT2LMHeadModel(cfg, input_shape=(1, T), _do_init=False).module
+        return tf.FlaxGPT2LMHeadModel(cfg, input_shape=(1, T), _do_init=False)
     # max_position_embeddings >= 2 x the head dim: transformers' Flax rotary table is cut there
     cfg = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
-    return tf.FlaxLlamaForCausalLM(cfg, input_shape=(1, T), _do_init=False).module
+    return tf.FlaxLlamaForCausalLM(cfg, input_shape=(1, T), _do_init=False)
 
 
 def _workload(kind: str) -> peat.Workload:
-    """A next-token language model from transformers as a `peat.Workload`, AdamW."""
-    module = _module(_transformers(), kind)
-    tx = optax.adamw(1e-3)
+    """A next-token language model from transformers as a `peat.Workload`, AdamW, in one call."""
     mask = jnp.ones((B, T), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
 
-    def init(key):
-        params = module.init({"params": key}, jnp.zeros((1, T), jnp.int32),
-                             jnp.ones((1, T), jnp.int32), jnp.arange(T)[None],
-                             return_dict=False)["params"]
-        return {"params": params, "opt": tx.init(params), "step": jnp.int32(0)}
-
-    def loss_fn(params, batch):
-        logits = module.apply({"params": params}, batch["x"], mask, positions,
-                              return_dict=False)[0]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-    def train_step(state, batch):
-        loss, g = jax.value_and_grad(loss_fn)(state["params"], batch)
-        upd, opt = tx.update(g, state["opt"], state["params"])
-        params = optax.apply_updates(state["params"], upd)
-        return {"params": params, "opt": opt, "step": state["step"] + 1}, {"loss": loss}
+    def loss(outputs, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(outputs[0], batch["y"]).mean()
 
     def batch(step):
         toks = np.random.default_rng(step).integers(0, V, size=(B, T + 1)).astype(np.int32)
         return {"x": toks[:, :-1], "y": toks[:, 1:]}
 
-    return peat.Workload(f"transformers_{kind}", init, train_step, batch)
+    return peat.from_flax(_model(_transformers(), kind), loss, optax.adamw(1e-3), batch,
+                          name=f"transformers_{kind}", inputs=lambda b: (b["x"], mask, positions),
+                          apply_kwargs={"return_dict": False})
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
