@@ -26,9 +26,27 @@ first_check_compiles, second_shape_compiles: the analyzer's programs each compil
   of the jit caches of `shape_program` and `sample_program`, read through
   `peat_jax._jax.cache_size`): small leaves share a padded bucket's program, so a new small
   shape compiles none.
+allclose_first_s: the allclose test an author would write instead of the check, cold: a fresh
+  process in the cold check's environment (``PEAT_CACHE_DIR=off``; nothing turns jax's
+  persistent compilation cache on) that imports jax and peat_jax, builds the same kernel
+  (``peat_jax.kernels.pallas_matmul()`` at a float32 ``dot_general`` of 67x45 by 45x33, as
+  ``peat check pallas_matmul`` does), runs one jitted forward and backward (``jax.vjp``, a random
+  cotangent) of it and of the reference (``jnp.matmul`` at precision "highest") and
+  ``np.testing.assert_allclose`` on the output and both gradients (rtol = atol = 1e-5): the
+  process's wall time less its second shape below; the median of 3 processes (each in
+  allclose_first_runs_s).
+allclose_second_shape_s: in the same process, the same test at the second shape's shapes (40x24
+  by 24x56), timed alone; the median of 3 (each in allclose_second_shape_runs_s).
+first_check_ratio: first_check_s over allclose_first_s. Goal <= 1.5, the rounding floor of the
+  detector-truth issue included (that issue's own bound: the rounding floor keeps it <= 2.2).
+second_shape_ratio: second_shape_s over allclose_second_shape_s. Goal <= 1.5.
 
-Prints one JSON object on one line. Runs with no arguments in about a minute on 2 CPU cores
-(``--no-check`` skips the check timings).
+The three kinds of process (cold check, second shape, allclose) run interleaved: one of each per
+round, their order rotated from round to round (the cold check and the allclose test alternate
+which runs first), 3 rounds (``--samples``); the ratios are of the medians.
+
+Prints one JSON object on one line. Runs with no arguments in about 75 s on 2 CPU cores shared
+with another job (``--no-check`` skips the check timings and the allclose baseline).
 """
 from __future__ import annotations
 
@@ -120,19 +138,72 @@ def _fresh(args: list[str]) -> tuple[float, str]:
     return wall, done.stdout
 
 
+# The allclose test an author would write instead of `peat check pallas_matmul` (the same kernel,
+# shapes and dtype as cmd_check's), then the same test at the second shape's shapes.
+_ALLCLOSE = r"""
+import json, sys, time
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peat_jax
+kernel = peat_jax.kernels.pallas_matmul()
+dims = (((1,), (0,)), ((), ()))
+def forward_backward(fn):
+    @jax.jit
+    def run(a, b, cotangent):
+        out, vjp = jax.vjp(fn, a, b)
+        return (out, *vjp(cotangent))
+    return run
+candidate = forward_backward(lambda a, b: kernel(a, b, dimension_numbers=dims, precision=None,
+                                                 preferred_element_type=jnp.float32))
+reference = forward_backward(lambda a, b: jnp.matmul(a, b, precision="highest"))
+def test(m, k, n, seed):
+    rng = np.random.default_rng(seed)
+    a, b, cotangent = (rng.standard_normal(s, np.float32) for s in ((m, k), (k, n), (m, n)))
+    for got, want in zip(candidate(a, b, cotangent), reference(a, b, cotangent)):
+        try:
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        except AssertionError as e:   # exit 2: _fresh takes 1 for a check's failing verdict
+            print(f"the allclose baseline failed at {m}x{k},{k}x{n}: {e}", file=sys.stderr)
+            sys.exit(2)
+test(67, 45, 33, 0)
+t0 = time.perf_counter()
+test(40, 24, 56, 1)
+print(json.dumps({"second_shape_s": time.perf_counter() - t0}))
+"""
+
+
 def first_checks(samples: int) -> dict:
-    """first_check_s, second_shape_s and the analyzer's compiles in each (see the docstring): the
-    medians over `samples` fresh processes of each kind (one cold process is one noisy sample:
-    +-15% here from run to run)."""
-    firsts = [_fresh(["-m", "peat_jax", "check", "pallas_matmul", "--json"])[0]
-              for _ in range(samples)]
-    seconds = [json.loads(_fresh(["-c", _SECOND_SHAPE])[1].strip().splitlines()[-1])
-               for _ in range(samples)]
+    """first_check_s, second_shape_s, the analyzer's compiles in each and the allclose baseline
+    (see the docstring): the medians over `samples` fresh processes of each kind (one cold
+    process is one noisy sample: +-15% here from run to run), run interleaved: one of each kind
+    per round, the order rotated from round to round."""
+    firsts, seconds, allclose = [], [], []
+
+    def first_check():
+        firsts.append(_fresh(["-m", "peat_jax", "check", "pallas_matmul", "--json"])[0])
+
+    def second_shape():
+        seconds.append(json.loads(_fresh(["-c", _SECOND_SHAPE])[1].strip().splitlines()[-1]))
+
+    def allclose_test():
+        wall, out = _fresh(["-c", _ALLCLOSE])
+        second = json.loads(out.strip().splitlines()[-1])["second_shape_s"]
+        allclose.append((wall - second, second))
+
+    kinds = [first_check, allclose_test, second_shape]
+    for i in range(samples):
+        for run in kinds[i % 3:] + kinds[:i % 3]:
+            run()
 
     def median(key: str) -> float:
         return round(statistics.median(s[key] for s in seconds), 2)
 
-    return {"first_check_s": round(statistics.median(firsts), 2),
+    first_s = statistics.median(firsts)
+    second_s = statistics.median(s["second_shape_s"] for s in seconds)
+    allclose_first = statistics.median(a for a, _ in allclose)
+    allclose_second = statistics.median(b for _, b in allclose)
+    return {"first_check_s": round(first_s, 2),
             "first_check_runs_s": [round(t, 2) for t in firsts],
             "second_shape_s": median("second_shape_s"),
             "second_shape_runs_s": [round(s["second_shape_s"], 2) for s in seconds],
@@ -141,7 +212,13 @@ def first_checks(samples: int) -> dict:
             "second_shape_peat_s": round(statistics.median(
                 s["second_shape_s"] - s["second_shape_kernel_s"] for s in seconds), 2),
             "first_check_compiles": seconds[0]["first_check_compiles"],
-            "second_shape_compiles": max(s["second_shape_compiles"] for s in seconds)}
+            "second_shape_compiles": max(s["second_shape_compiles"] for s in seconds),
+            "allclose_first_s": round(allclose_first, 2),
+            "allclose_first_runs_s": [round(a, 2) for a, _ in allclose],
+            "allclose_second_shape_s": round(allclose_second, 2),
+            "allclose_second_shape_runs_s": [round(b, 2) for _, b in allclose],
+            "first_check_ratio": round(first_s / allclose_first, 2),
+            "second_shape_ratio": round(second_s / allclose_second, 2)}
 
 
 def main(argv=None) -> dict:
@@ -150,8 +227,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=41, help="timed rounds per pair")
     parser.add_argument("--samples", type=int, default=3, help="fresh processes per check "
                         "timing (medians reported)")
-    parser.add_argument("--no-check", action="store_true", help="skip first_check_s and "
-                        "second_shape_s")
+    parser.add_argument("--no-check", action="store_true", help="skip first_check_s, "
+                        "second_shape_s and the allclose baseline")
     args = parser.parse_args(argv)
 
     candidate, golden = _pair(args.side)
