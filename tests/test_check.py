@@ -539,3 +539,26 @@ def test_pairing_blames_a_fault_on_the_odd_variant_only():
     assert d.evidence["origin"]["variant"] == "odd_shape"
     assert {v for v, _, m in d.evidence["checks"] if m not in ("exact", "numerical_noise")} == \
         {"odd_shape"}
+
+
+def _layer_norm(eps):
+    def norm(x, scale, bias):
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        return (x - mean) / jnp.sqrt(var + eps) * scale + bias
+    return jax.jit(norm)
+
+
+@pytest.mark.parametrize("rows, n", [(16, 64), (5, 33)])
+@pytest.mark.parametrize("bias", [0.0, 0.3])
+def test_a_norm_with_another_eps_is_a_per_row_scale_whatever_its_bias(rows, n, bias):
+    """eps 1e-5 for 1e-6 scales each row by its own constant; a bias added after it keeps the
+    ratio from being constant, not the errors from being a scale of the golden up to an offset
+    (rule per_row_scale where the ratio rule misses it)."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    scale = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    b = (bias * rng.standard_normal(n)).astype(np.float32)
+    d = check_kernel(_layer_norm(1e-5), _layer_norm(1e-6), x, scale, b, variants="example",
+                     backward=False, repeats=1)
+    assert not d.passed and d.model == "wrong_scale", d.summary

@@ -20,7 +20,7 @@ import numpy as np
 from peat_jax.check.judging import (Check, FormatOutputs, Found, Options, Pending,
                                     analysis_workers, comparisons, confirmed_formats, done_future,
                                     explained_by_format, judged_by_float64, judged_by_rounding,
-                                    race_check,
+                                    per_row_scale, race_check,
                                     reference_spread, repeat_checks, within_spread)
 from peat_jax.check.programs import Pinned, differentiated_positions, pairing_for, to_jax
 from peat_jax.check.running import RACE, float64_reference, run_variant
@@ -150,6 +150,7 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     checks, no_rounding = judged_by_rounding(checks, reference, found, opts, seed)
     emulated = FormatOutputs(reference)
     checks = confirmed_formats(checks, found.runs, emulated)
+    checks = per_row_scale(checks, found.runs)
     checks = judged_by_float64(checks, candidate, found.runs, found.refs64, opts)
     checks = [within_spread(c, found.spread.get((c.variant, c.output)))
               for c in checks]

@@ -22,7 +22,7 @@ from peat_jax.check.programs import bitwise_same
 from peat_jax.check.running import Run, conditioning_spreads, float64_outputs, outputs_again
 from peat_jax.detector import (Diagnosis, bitwise_equal, by_float64, data_race, detect,
                                format_phrase)
-from peat_jax.formats import NARROW_FORMATS, ROUNDING_MODES, round_to_format
+from peat_jax.formats import NARROW_FORMATS, ROUNDING_MODES, float_format, round_to_format
 from peat_jax.judge.conditioning import is_float_leaf
 from peat_jax.judge.float64 import float64_evidence, max_difference
 from peat_jax.judge.reference_spread import (REFERENCE_SPREAD_FACTOR, Spread,
@@ -423,6 +423,75 @@ def _rms_difference(a, b) -> float:
     if np.any(ok != np.isfinite(y)):
         return math.inf
     return float(np.sqrt(np.mean((x[ok] - y[ok]) ** 2))) if ok.any() else 0.0
+
+
+ROW_FIT_RESIDUAL = 0.25
+"""A row's errors are a scale of its golden values about a point per column when the fit
+err[r, c] = a[r] * (golden[r, c] - b[c]) leaves at most this share of their rms
+(`per_row_scale`)."""
+
+
+def per_row_scale(checks: list[Check], runs: dict[str, Run]) -> list[Check]:
+    """`checks`, with each failing ``low_precision_accumulation`` or ``unknown`` check renamed
+    ``wrong_scale`` (rule ``per_row_scale``) when this sufficient condition holds: the output
+    has rows (last axis >= 8 elements, >= 2 rows) and the least-squares fit err[r, c] = a[r] *
+    (golden[r, c] - b[c]) (a scale per row about a point per column) leaves <= `ROW_FIT_RESIDUAL`
+    of the errors' rms in >= 90% of the rows holding errors, with |a[r]| above 4 ULPs at 1 of the
+    dtype there. Each row is then the golden times its own constant about an offset shared by
+    the rows (a norm whose eps differs: its bias, added after the scale, keeps the ratio from
+    being constant)."""
+    out = []
+    for c in checks:
+        run = runs.get(c.variant)
+        if c.diagnosis.passed or c.diagnosis.model not in ("low_precision_accumulation",
+                                                           "unknown") or run is None \
+                or c.output not in run.reference:
+            out.append(c)
+            continue
+        share = _scaled_rows(run.candidate[c.output], run.reference[c.output])
+        out.append(c if share is None else Check(c.variant, c.output,
+                                                 _row_scaled(c.diagnosis, share)))
+    return out
+
+
+_FIT_ROUNDS = 8   # alternating least squares: a given b, then b given a
+
+
+def _scaled_rows(candidate, golden) -> Optional[float]:
+    """The share of the rows holding errors that `per_row_scale`'s fit explains, when it is
+    >= 90%; else None."""
+    c, g = (np.asarray(x, np.float64) for x in (candidate, golden))
+    if c.ndim < 1 or c.shape[-1] < 8 or c.size // c.shape[-1] < 2 or \
+            not (np.isfinite(c).all() and np.isfinite(g).all()):
+        return None
+    eps = 4 * 2.0 ** -float_format(np.asarray(golden).dtype).mantissa_bits
+    g2 = g.reshape(-1, g.shape[-1])
+    e2 = c.reshape(g2.shape) - g2
+    err_rms = np.sqrt(np.mean(e2 ** 2, axis=1))
+    held = err_rms > 0
+    if held.sum() < 2:
+        return None
+    e2, g2, err_rms = e2[held], g2[held], err_rms[held]
+    b = np.zeros(g2.shape[1])
+    for _ in range(_FIT_ROUNDS):
+        moved = g2 - b
+        a = (moved * e2).sum(axis=1) / np.maximum((moved ** 2).sum(axis=1), np.finfo(float).tiny)
+        b = (a[:, None] * (a[:, None] * g2 - e2)).sum(axis=0) / max(float((a ** 2).sum()),
+                                                                     np.finfo(float).tiny)
+    residual = np.sqrt(np.mean((e2 - a[:, None] * (g2 - b)) ** 2, axis=1))
+    scaled = (residual <= ROW_FIT_RESIDUAL * err_rms) & (np.abs(a) > eps)
+    share = float(scaled.mean())
+    return share if share >= 0.9 else None
+
+
+def _row_scaled(d: Diagnosis, share: float) -> Diagnosis:
+    return Diagnosis(
+        model="wrong_scale", passed=False, confidence=0.8,
+        evidence={**d.evidence, "rule": "per_row_scale", "rows_scaled": share,
+                  "would_be": d.model},
+        summary=(f"fails: wrong_scale, each row is the golden times its own constant about an "
+                 f"offset shared by the rows ({100 * share:.0f}% of the rows with errors; a "
+                 f"norm's eps, say; the rules alone said {d.model})"))
 
 
 def explained_by_format(checks: list[Check], runs: dict[str, Run],

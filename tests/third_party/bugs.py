@@ -76,13 +76,13 @@ _FWD = dict(backward=False, variants=("example",))
 
 ENTRIES: tuple[Entry, ...] = (
     Entry("torch_layer_norm_default_eps", "torch", "bug", torch_layer_norm_default_eps,
-          ref.layer_norm, _norm2, "fails",
+          ref.layer_norm, _norm2, ("wrong_scale",),
           "torch F.layer_norm's default eps 1e-5 in a port of a Flax model (epsilon 1e-6)",
-          needs=("torch",), model="wrong_scale", **_FWD),
+          needs=("torch",), **_FWD),
     Entry("equinox_layer_norm_default_eps", "equinox", "bug", equinox_layer_norm_default_eps,
-          ref.layer_norm, _norm2, "fails",
+          ref.layer_norm, _norm2, ("wrong_scale",),
           "equinox.nn.LayerNorm's default eps 1e-5 in a port of a Flax model (epsilon 1e-6)",
-          model="wrong_scale", **_FWD),
+          **_FWD),
     Entry("rope_interleaved_for_half_split", "rotary-embedding-torch", "bug",
           torch_rope_for_half_split, ref.rope_half_split, _rope_args, "fails",
           "lucidrains' interleaved rotary embedding where the model pairs i with i + d/2",
