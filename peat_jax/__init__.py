@@ -26,6 +26,7 @@ from peat_jax.profiler.nan_origin import NanOrigin
 from peat_jax.profiler.playback import CellTimeout, PlaybackResult, playback
 from peat_jax.profiler.runtime import runtime
 from peat_jax.regions import flax_regions, region
+from peat_jax.regions import intercept as intercept
 from peat_jax.schedule import Schedule, at_steps, every, inject, with_probability
 from peat_jax.sites import Site, format_sites, list_sites, select
 from peat_jax.substitute import substitute, switched
@@ -63,6 +64,7 @@ __all__ = [
     "from_equinox",
     "from_flax",
     "inject",
+    "intercept",
     "kernels",
     "list_sites",
     "lowers_for",

@@ -41,7 +41,8 @@ __all__ = [
     "eqn_context", "io_callback_logger",
     "ffi_platform", "is_differentiating", "is_jaxpr", "is_tracer", "jaxpr_body", "jaxpr_consts",
     "live_processes", "name_stack", "pallas_interpreter", "remat_layout", "scan_layout",
-    "shard_map", "shard_map_layout", "sub_jaxprs", "unsupported", "while_layout",
+    "shard_map", "shard_map_layout", "sub_jaxprs", "trace_key_context", "unsupported",
+    "while_layout",
     # lowering for a GPU this machine does not have
     "gpu_target", "pallas_call_compiler_params", "pallas_call_interpreted", "pallas_call_name",
     "pallas_calls", "pallas_default_gpu_backend", "target_device_matters",
@@ -322,6 +323,18 @@ def is_differentiating(vals: Sequence[Any]) -> bool:
 def cache_size(jitted: Any) -> int:
     """Executables a `jax.jit`-wrapped function has compiled so far."""
     return jitted._cache_size()
+
+
+# `jax.make_user_context` (jax >= 0.7): a value in jax.jit's cache key. Made once, at import
+# (making one is not thread-safe; using it is).
+_TRACE_KEY = jax.make_user_context(None) if hasattr(jax, "make_user_context") else None
+
+
+def trace_key_context(value: Any):
+    """A context in which `value` (hashable) is part of every `jax.jit` cache key, so that a
+    function jitted and traced before is traced again inside it (and a trace made inside is not
+    reused outside). A null context on a jax without `jax.make_user_context`."""
+    return contextlib.nullcontext() if _TRACE_KEY is None else _TRACE_KEY(value)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """The regions traced in this process: their ids, what is known of each, and how a traced call of
 one is recognised in a jaxpr.
 
-`regions` registers regions (`peat.region`, `peat.flax_regions`) and names their calls with
-`call_name`; `_interpreter` recognises those calls with `region_of`. Both build on this module,
-which imports neither.
+`regions` registers regions (`peat.region`, `peat.flax_regions`, and the calls of library
+functions under `peat.intercept`) and names their calls with `call_name`; `_interpreter`
+recognises those calls with `region_of`. Both build on this module, which imports neither.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ __all__ = ["Region", "RegionInfo", "call_name", "is_region_name", "is_whole_regi
 
 REGION_PREFIX = "peat_region__"
 REGION_BWD_PREFIX = "peat_region_bwd__"
-_CALL_RE = re.compile(r"peat_region(_bwd)?__(\w+?)__r(\d+)")
+_CALL_RE = re.compile(r"peat_region(_bwd)?__(\w+)__r(\d+)$")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 # (name, is_backward, region id) of one traced region call
@@ -28,7 +28,11 @@ Region = tuple[str, bool, int]
 
 @dataclasses.dataclass
 class RegionInfo:
-    """What the tracer knows of one region signature: its name and argument/result trees."""
+    """What the tracer knows of one region signature: its name and argument/result trees.
+
+    `function` is set for the call of a library function intercepted by `peat.intercept`: a
+    `peat_jax.regions.FunctionCall`, which rebuilds the call's arguments from the region's (its
+    array arguments, in order) and calls a kernel as the library function is called."""
 
     name: str
     in_tree: Any
@@ -37,6 +41,7 @@ class RegionInfo:
     out_avals: Optional[tuple] = None
     fwd: Optional[Callable] = None
     bwd: Optional[Callable] = None
+    function: Optional[Any] = None
 
 
 _LOCK = threading.Lock()
@@ -68,18 +73,24 @@ def is_region_name(name: Any) -> bool:
 
 
 def call_name(name: str, region_id: int, backward: bool) -> str:
-    """The name of the jitted function whose call `region_of` recognises as this region."""
-    return f"{REGION_BWD_PREFIX if backward else REGION_PREFIX}{name}__r{region_id}"
+    """The name of the jitted function whose call `region_of` recognises as this region (a
+    dotted name such as `jax.nn.dot_product_attention` is spelled with `_` for `.`)."""
+    spelled = re.sub(r"\W", "_", name)
+    return f"{REGION_BWD_PREFIX if backward else REGION_PREFIX}{spelled}__r{region_id}"
 
 
 def region_of(eqn) -> Optional[Region]:
-    """(name, is_backward, id) when `eqn` is a whole call of a peat region, else None."""
+    """(name, is_backward, id) when `eqn` is a whole call of a peat region, else None; the
+    name is the region's own, as registered (dots included)."""
     if eqn.primitive.name not in ("jit", "pjit"):
         return None
     m = _CALL_RE.search(str(eqn.params.get("name", "")))
     if m is None:
         return None
-    region = m.group(2), m.group(1) is not None, int(m.group(3))
+    rid = int(m.group(3))
+    if rid >= len(_REGISTRY):
+        return None
+    region = _REGISTRY[rid].name, m.group(1) is not None, rid
     return region if is_whole_region(eqn, region) else None
 
 

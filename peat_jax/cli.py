@@ -2,7 +2,8 @@
 
   peat demo [--out DIR]                        golden run, playback campaigns, runtime injection,
                                                a summary table and an HTML report
-  peat sites TARGET                            the op sites of a train step (or any function)
+  peat sites TARGET [--intercept NAME]         the op sites of a train step (or any function);
+                                               NAME: a library function made a composite site
   peat profile TARGET --out DIR [--stats-every K] [--precision P]
                [--kernel K | --fault F [--sites S]]
                                                the golden run (Orbax checkpoints, metrics, site
@@ -28,6 +29,9 @@ TARGET: a bundled workload name, or `module.path:attribute` naming a `peat.Workl
 zero-argument callable returning one (loaded only when named). KERNEL: a bundled kernel name
 (`peat check --help` lists them) or `module.path:attribute` (a `peat.Kernel` or a factory);
 for `peat check` also `path/to/file.py:NAME` or a dotted name, any function (`kernel_spec`).
+A kernel goes to its own primitive's sites unless --sites says otherwise; one whose primitive is
+a library function's dotted name (jax.nn.dot_product_attention) has that function intercepted
+(`peat.intercept`; --intercept NAME for others) in sites, profile, playback and runtime.
 FAULT: a call of a `peat.faults` constructor with literal arguments, e.g. "bit_flip(bit=30)".
 P: a matmul precision, highest | high | default (or jax's float32 | tensorfloat32 | bfloat16).
 Exit status: 0 on success, 1 when a check or campaign finds a failing kernel (or `compare` a
@@ -207,6 +211,44 @@ def _candidate(args) -> Any:
     return _kernel(args.kernel) if args.kernel else parse_fault(args.fault)
 
 
+def _default_sites(cand) -> str:
+    """The selector a candidate goes to without --sites: a kernel's own primitive or region
+    (`jax.nn.dot_product_attention` for a kernel of that function), else dot_general."""
+    return getattr(cand, "primitive", None) or "dot_general"
+
+
+def _function_names(selector) -> list[str]:
+    """The dotted library-function names in a selector (`fwd:` / `bwd:` stripped): those that
+    resolve to a function or a Flax module class (a path pattern is left alone)."""
+    parts = selector if isinstance(selector, list) else [selector]
+    names = []
+    for p in parts:
+        if not isinstance(p, str):
+            continue
+        name = p.split(":", 1)[1] if p.startswith(("fwd:", "bwd:")) else p
+        if "." in name and not any(c in name for c in "/*?["):
+            try:
+                peat.regions.resolve_name(name)
+            except PeatError:
+                continue
+            names.append(name)
+    return names
+
+
+def _intercepted(args, cand=None, selector=None) -> list[str]:
+    """The library functions a command intercepts while it traces (`peat.intercept`): those
+    of --intercept, the kernel's own when it serves one (its primitive is a dotted name), and
+    those the selector names."""
+    names = [n.strip() for text in (getattr(args, "intercept", None) or [])
+             for n in text.split(",") if n.strip()]
+    prim = getattr(cand, "primitive", None)
+    if isinstance(cand, peat.Kernel) and isinstance(prim, str) and "." in prim:
+        names.append(prim)
+    if selector is not None:
+        names += _function_names(selector)
+    return list(dict.fromkeys(names))
+
+
 def _selector(text: Optional[str], default: str):
     if text is None:
         return default
@@ -251,7 +293,8 @@ def _print_json(args, obj, **dumps_kw) -> None:
 def cmd_sites(args) -> int:
     wl = _workload(args.target)
     state = wl.init(jax.random.key(args.seed))
-    sites = peat.list_sites(wl.train_step, state, _batch(wl, 0), primitives=args.primitive or None)
+    sites = peat.list_sites(wl.train_step, state, _batch(wl, 0), primitives=args.primitive or None,
+                            regions=_intercepted(args))
     if args.json:
         _print_json(args, [_site_json(s) for s in sites])
         return 0
@@ -282,12 +325,14 @@ def cmd_profile(args) -> int:
     distributed.refuse("profile", _processes(args))
     wl = _workload(args.target)
     steps = args.steps or int(wl.config.get("steps", 100))
-    substitution = None
+    substitution, names = None, _intercepted(args)
     if args.kernel or args.fault:
-        substitution = {_selector(args.sites, "dot_general"): _candidate(args)}
+        cand = _candidate(args)
+        sel = _selector(args.sites, _default_sites(cand))
+        substitution, names = {sel: cand}, _intercepted(args, cand, sel)
     elif args.sites:
         raise PeatError("--sites selects where --kernel or --fault goes; give one of them")
-    with _Progress(not args.json) as p:
+    with _Progress(not args.json) as p, peat.intercept(*names):
         g = peat.profile(wl, args.out, steps=steps, checkpoint_every=args.checkpoint_every,
                          seed=args.seed, stats_every=args.stats_every, substitution=substitution,
                          progress=p.task("golden run"),
@@ -335,10 +380,10 @@ def cmd_playback(args) -> int:
                           heartbeat_timeout=args.heartbeat_timeout)
     try:
         cand = _candidate(args)
-        sel = _selector(args.sites, "dot_general")
+        sel = _selector(args.sites, _default_sites(cand))
         if args.cell_timeout is not None and not args.worker:
             return _supervise(args, cand, sel)
-        with _Progress(not args.json) as p:
+        with _Progress(not args.json) as p, peat.intercept(*_intercepted(args, cand, sel)):
             res = _playback(args, cand, sel, p.task("playback cells"),
                             procs.share if procs is not None else None)
     finally:
@@ -417,8 +462,9 @@ def cmd_runtime(args) -> int:
     steps = args.steps
     if steps is None:
         steps = len(peat.profiler.rundir.RunDir(run_dir).golden_losses())
-    with _Progress(not args.json) as p:
-        r = peat.runtime(run_dir, {_selector(args.sites, "dot_general"): cand}, schedule,
+    sel = _selector(args.sites, _default_sites(cand))
+    with _Progress(not args.json) as p, peat.intercept(*_intercepted(args, cand, sel)):
+        r = peat.runtime(run_dir, {sel: cand}, schedule,
                          steps=steps, name=args.name or f"runtime-{cand.name}",
                          progress=p.task("training with injection"))
     peat.report.write_report(run_dir)
@@ -782,6 +828,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print one JSON object instead of tables")
         sp.add_argument("--seed", type=int, default=0, help="seed (default 0)")
 
+    def intercept(sp):
+        sp.add_argument("--intercept", action="append", metavar="NAME",
+                        help="a library function whose calls become composite sites, by "
+                             "dotted name: jax.nn.dot_product_attention, "
+                             "flax.linen.dot_product_attention, optax.softmax_cross_entropy, "
+                             "flax.linen.LayerNorm (repeatable, or "
+                             "comma-separated; a kernel's own function and one named by --sites "
+                             "are intercepted without it)")
+
     def processes(sp, playback=False):
         env = dict(zip(("coordinator", "count", "id"), distributed.ENV))
         sp.add_argument("--coordinator", metavar="HOST:PORT",
@@ -810,6 +865,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sites", help="list the op sites of a workload's train step")
     s.add_argument("target", help="bundled workload or module.path:attribute")
     s.add_argument("--primitive", action="append", help="only these primitives (repeatable)")
+    intercept(s)
     common(s)
     s.set_defaults(func=cmd_sites)
 
@@ -826,9 +882,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     def candidate(sp, campaign=True):
         sp.add_argument("--kernel",
-                        help=f"bundled kernel ({', '.join(KERNELS)}) or module:attribute")
+                        help=f"bundled kernel ({', '.join(KERNELS)}) or module:attribute (any "
+                             "peat.Kernel, or a factory returning one)")
         sp.add_argument("--fault", help='a fault, e.g. "bit_flip(bit=30)" or "scale(2.0)"')
-        sp.add_argument("--sites", help="site selector(s), comma-separated (default dot_general)")
+        sp.add_argument("--sites", help="site selector(s), comma-separated (default: the "
+                                        "kernel's primitive or function, else dot_general)")
+        intercept(sp)
         if campaign:
             sp.add_argument("--name", help="campaign name (default from the candidate)")
 

@@ -29,12 +29,16 @@ class Site:
       index: position in the program's depth-first site order (stable for the same function,
         argument shapes and options); what a traced site index refers to.
       primitive: the XLA-level primitive (`dot_general`, `exp`, `pallas_call`, ...), or for a
-        composite site the region's name (`softmax`, `LayerNorm`, ...).
+        composite site the region's name (`softmax`, `LayerNorm`, or the dotted name of an
+        intercepted library function, `jax.nn.dot_product_attention`).
       path: the module path from the name stack with transforms stripped (`MLP/fc1`); for a site
         inside a region the region's name is the last component.
       phase: `"fwd"` or `"bwd"` (the site runs in a transposed, i.e. backward, computation).
       in_shapes, in_dtypes, out_shapes, out_dtypes: operand and result types.
-      params: the op's parameters (e.g. `dimension_numbers`); for a region `{"region": name}`.
+      params: the op's parameters (e.g. `dimension_numbers`); for a region `{"region": name}`,
+        and for an intercepted library function also `"function"` (its dotted name) and
+        `"arguments"` (the call's arguments by name, defaults applied, arrays as
+        `jax.ShapeDtypeStruct`: what a kernel's `supports` reads, e.g. `is_causal`).
       composite: True for a region (a fused kernel replaces the whole region).
       scope: primitives of the enclosing containers, outermost first (e.g. `("scan", "remat2")`).
       name_stack: the raw joined name stack (`transpose(jvp(MLP))/head`).
@@ -69,7 +73,8 @@ Selector = Union[int, str, Callable[[Site], bool], Sequence[Any]]
 
 
 def _fmt_type(shape, dtype) -> str:
-    return f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"
+    name = "float0" if dtype == jax.dtypes.float0 else np.dtype(dtype).name  # a cotangent's
+    return f"{name}[{','.join(map(str, shape))}]"
 
 
 def _aval_types(atoms) -> tuple[tuple, tuple]:
@@ -113,9 +118,12 @@ def _site_of(op: _ip.Op) -> Site:
     if op.region is not None:
         name, is_bwd, rid = op.region
         phase = "bwd" if (is_bwd or "transpose(" in op.name_stack) else "fwd"
+        params = {"region": name, "region_id": rid, "backward": is_bwd}
+        call = _regions.region_info(rid).function
+        if call is not None:  # a library function's call (peat.intercept)
+            params.update(function=call.name, arguments=call.arguments)
         return Site(op.index, name, path, phase, in_shapes, in_dtypes, out_shapes, out_dtypes,
-                    {"region": name, "region_id": rid, "backward": is_bwd}, True, op.containers,
-                    op.name_stack, op.repeats)
+                    params, True, op.containers, op.name_stack, op.repeats)
     phase = "bwd" if "transpose(" in op.name_stack else "fwd"
     return Site(op.index, eqn.primitive.name, path, phase, in_shapes, in_dtypes, out_shapes,
                 out_dtypes, dict(eqn.params), False, op.containers, op.name_stack, op.repeats)
@@ -171,12 +179,13 @@ class Traced:
 class Tracer:
     """Traces `fn` once per argument structure and keeps the numbered program."""
 
-    def __init__(self, fn: Callable, *, primitives=None, regions: Sequence[type] = ()):
+    def __init__(self, fn: Callable, *, primitives=None, regions: Sequence[Any] = ()):
         if not callable(fn):
             raise PeatError(f"expected a callable to trace, got {type(fn).__name__}")
         self.fn = fn
         self.primitives = primitives
         self.regions = tuple(regions)
+        _regions.check_regions(self.regions)
         self._is_site = _site_predicate(primitives)
         self._cache: dict[Any, Traced] = {}
         self._lock = threading.Lock()
@@ -185,6 +194,8 @@ class Tracer:
         leaves, in_tree = jax.tree.flatten((args, kwargs))
         key = _flat_key(leaves, in_tree)
         mask = tuple(_is_dynamic(x) for x in leaves) if key is None else key[1]
+        if key is not None:  # what this thread intercepts (peat.intercept) shapes the trace too
+            key = (key, _regions.active_key())
         avals = tuple(jax.typeof(x) for x, d in zip(leaves, mask) if d)
         with self._lock:
             if key is not None and key in self._cache:
@@ -199,7 +210,7 @@ class Tracer:
             return self.fn(*a, **k)
 
         specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
-        with _regions.flax_regions(*self.regions):
+        with _regions.tracing(self.regions):
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*specs)
         program = _ip.Program(closed, self._is_site)
         sites = [_site_of(op) for op in program.ops()]
@@ -210,7 +221,7 @@ class Tracer:
         return traced
 
 
-def list_sites(fn: Callable, *args, primitives=None, regions: Sequence[type] = (),
+def list_sites(fn: Callable, *args, primitives=None, regions: Sequence[Any] = (),
                **kwargs) -> list[Site]:
     """Every op site of `fn(*args, **kwargs)`, forward and backward, in index order.
 
@@ -225,8 +236,10 @@ def list_sites(fn: Callable, *args, primitives=None, regions: Sequence[type] = (
         kernels), an iterable of names, or "all" for every non-container equation. Site indices
         depend on it: use the same value for `substitute`.
       regions: Flax module classes (e.g. `nn.LayerNorm`, `nn.MultiHeadDotProductAttention`) whose
-        calls become composite sites (see `peat.flax_regions`). Regions marked with
-        `peat.region` are always sites.
+        calls become composite sites (see `peat.flax_regions`), and dotted names of library
+        functions (`"jax.nn.dot_product_attention"`, `"optax.softmax_cross_entropy"`) whose calls
+        become composite sites named by them (see `peat.intercept`, which also makes them sites
+        for any trace inside it). Regions marked with `peat.region` are always sites.
 
     Returns:
       A list of `Site`, `site.index == position`.
@@ -305,8 +318,19 @@ def select(sites: Sequence[Site], selector: Selector) -> list[Site]:
     out = _select_one(sites, selector)
     if not out:
         raise PeatError(f"selector {_describe_selector(selector)} matches no site. "
-                        f"{summarize(sites)}")
+                        f"{summarize(sites)}{_intercept_hint(selector)}")
     return out
+
+
+def _intercept_hint(selector) -> str:
+    """For a selector that looks like a library function's dotted name: how to make it one."""
+    if not isinstance(selector, str):
+        return ""
+    name = _split_phase(selector)[1]
+    if "." not in name or "/" in name or "*" in name:
+        return ""
+    return (f" A library function is a site only while intercepted: pass regions=({name!r},) "
+            f"or trace inside peat.intercept({name!r}) (peat ... --intercept {name}).")
 
 
 def _describe_selector(selector) -> str:

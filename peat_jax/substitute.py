@@ -90,7 +90,11 @@ def _cand_name(c: Candidate) -> str:
 
 def _site_reason(cand: Candidate, site: Site) -> Optional[str]:
     if isinstance(cand, Kernel):
-        return cand.check_site(site)
+        reason = cand.check_site(site)
+        call = _function_call(site)
+        if reason is None and call is not None:  # an intercepted library function's call
+            reason = call.unserved(cand.impl)
+        return reason
     if cand.supports is not None:
         return cand.supports(site)
     if not any(_is_float(d) for d in site.out_dtypes):
@@ -136,17 +140,32 @@ def _run_candidate(cand: Candidate, site: Site, vals: Sequence[Any], reference, 
     return outs
 
 
+def _function_call(site: Site):
+    """The `regions.FunctionCall` of a site that is an intercepted library function's call."""
+    if not site.composite or "region_id" not in site.params:
+        return None
+    return _regions.region_info(site.params["region_id"]).function
+
+
 def call_kernel(k: Kernel, site: Site, vals) -> list:
     """The outputs (a list) kernel `k` computes at `site` on its operands `vals`: with the
     op's params for a primitive site, the region's arguments (and, at its backward site, the
-    VJP of `k` under the cotangents) for a composite one. Not checked against the site's
-    output types."""
+    VJP of `k` under the cotangents) for a composite one; at an intercepted library function's
+    call, `k` is called as the function was (`FunctionCall.call_kernel`: its parameters without
+    a default positionally, the other arguments the call passed by name). Not checked against
+    the site's output types."""
     if not site.composite:
         params = {n: v for n, v in site.params.items()}
         out = k(*vals, **params)
         return list(out) if isinstance(out, (list, tuple)) else [out]
     info = _regions.region_info(site.params["region_id"])
     n_in = info.in_tree.num_leaves
+    if info.function is not None:
+        operands = list(vals[:n_in])
+        if not site.params["backward"]:
+            return jax.tree.leaves(info.function.call_kernel(k, operands))
+        cot = jax.tree.unflatten(info.out_tree, list(vals[n_in:]))
+        return list(info.function.kernel_vjp(k, operands, cot))
     args = jax.tree.unflatten(info.in_tree, list(vals[:n_in]))
     if not site.params["backward"]:
         return jax.tree.leaves(k(*args))
@@ -314,7 +333,7 @@ class Substituted:
         `with_sides` also {site index: side} (see `run_rules`)."""
         traced, chosen = self.prepare(args, kwargs)
         rules = rules_for(traced, chosen)
-        with _regions.flax_regions(*self._tracer.regions):
+        with _regions.flax_regions(*_regions.module_types(self._tracer.regions)):
             return run_rules(traced, rules, args, kwargs, with_sides=with_sides)
 
     def run(self, args, kwargs, active: Active, key_for) -> Any:
@@ -336,7 +355,7 @@ class _Switched(Substituted):
 
 
 def substitute(fn: Callable, substitution: Substitution, *, primitives=None,
-               regions: Sequence[type] = ()) -> Callable:
+               regions: Sequence[Any] = ()) -> Callable:
     """`fn` with the op at each selected site computed by a candidate instead.
 
     Args:
@@ -345,7 +364,9 @@ def substitute(fn: Callable, substitution: Substitution, *, primitives=None,
         name, a path pattern (`"Dense_0/*"`, `"bwd:dot_general"`), a predicate over `peat.Site`,
         or a list of these; a candidate is a `peat.Kernel` (computes the op from its operands) or
         a `peat.faults` fault (transforms the reference output).
-      primitives, regions: as in `peat.list_sites` (site indices depend on them).
+      primitives, regions: as in `peat.list_sites` (site indices depend on them); a dotted
+        name in `regions` (`"jax.nn.dot_product_attention"`) makes that library function's
+        calls sites, selected by the same name (see `peat.intercept`).
 
     Returns:
       A function with `fn`'s signature and outputs, usable under `jit`, `grad` and `vmap`. With an
@@ -357,7 +378,7 @@ def substitute(fn: Callable, substitution: Substitution, *, primitives=None,
 
 
 def switched(fn: Callable, substitution: Substitution, *, primitives=None,
-             regions: Sequence[type] = ()) -> Callable:
+             regions: Sequence[Any] = ()) -> Callable:
     """`fn'(site_index, *args, **kwargs)`: the candidate active only at the site whose index equals
     `site_index` (a traced int32 scalar; -1 or any unselected index = nothing substituted).
 

@@ -146,7 +146,8 @@ def runtime_spec(manifest: Mapping[str, Any], substitution: Substitution, schedu
     return {"run": run_identity(manifest), "substitution": substitution_digest(substitution),
             "candidates": sorted({getattr(c, "name", "?") for c in substitution.values()}),
             "schedule": str(schedule), "steps": int(steps),
-            "regions": [f"{r.__module__}.{r.__qualname__}" for r in regions]}
+            "regions": [r if isinstance(r, str) else f"{r.__module__}.{r.__qualname__}"
+                        for r in regions]}
 
 
 @dataclasses.dataclass(frozen=True)
