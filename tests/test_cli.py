@@ -119,10 +119,11 @@ def test_a_command_runs_with_the_heap_it_found_frozen_and_leaves_it_as_it_was(mo
     """A full garbage collection during a command scans only what the command made (the CLI
     freezes jax's objects for it); afterwards the heap is as before, a caller's freeze kept."""
     from peat_jax import cli
+    from peat_jax.cli import parser
     if gc.get_freeze_count() > cli.FROZEN_AT_IMPORT:
         pytest.skip("something in this process froze objects already")
     seen = []
-    monkeypatch.setattr(cli, "cmd_check", lambda args: seen.append(gc.get_freeze_count()) or 0)
+    monkeypatch.setattr(parser, "cmd_check", lambda args: seen.append(gc.get_freeze_count()) or 0)
     assert cli.main(["check", "pallas_matmul"]) == 0
     assert seen[0] > 10_000 and gc.get_freeze_count() <= cli.FROZEN_AT_IMPORT
     gc.freeze()
