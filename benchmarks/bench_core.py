@@ -8,6 +8,10 @@ runtime_overhead_ratio: median time of a scheduled-injection train step on steps
 sweep_speedup: time to run the train step once per dot_general site with a fault at that site,
   recompiling per site (`jit(substitute(step, {i: fault}))`), over the time to do the same sweep on
   one compiled `switched` executable (its compile included). Goal >= 10 at >= 30 sites.
+finite_fold_ratio: a runtime step as `peat.runtime` ran it before (the step, its loss read, then
+  a separate jitted "is the new state finite" reduction synced to the host) over the step as it
+  runs now (the finiteness folded into the step's program, read with its loss), interleaved,
+  medians (language workload). > 1: folding it saves the extra launch and sync.
 
 Prints one JSON object on one line. Runs with no arguments in a few minutes on 2 CPU cores.
 """
@@ -66,6 +70,34 @@ def sweep(train_step, state, batch, n_sites: int) -> tuple[float, int, float, fl
     return recompile / one_compile, len(sites), one_compile, recompile
 
 
+def finite_fold(train_step, state, batch, repeats: int) -> float:
+    from peat_jax.profiler.nan_origin import all_finite, tree_finite
+    apart = jax.jit(train_step)
+
+    def with_finite(s, b):
+        new, metrics = train_step(s, b)
+        return new, metrics, tree_finite(new)
+
+    folded = jax.jit(with_finite)
+
+    def one_apart():
+        new, metrics = apart(state, batch)
+        return float(metrics["loss"]), all_finite(new)
+
+    def one_folded():
+        new, metrics, finite = folded(state, batch)
+        return float(metrics["loss"]), bool(finite)
+
+    one_apart(), one_folded()
+    a, b = [], []
+    for i in range(repeats):
+        for fn, out in ((one_apart, a), (one_folded, b))[::1 if i % 2 else -1]:
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(a) / statistics.median(b)
+
+
 def _workload(name: str, size: str):
     wl = models.get(name, size=size)
     state = wl.init(jax.random.key(0))
@@ -79,6 +111,7 @@ def main() -> None:
     n_all = sum(s.primitive == "dot_general" for s in peat.list_sites(wl.train_step, state, batch))
     ratio_all = overhead(wl.train_step, state, batch, "dot_general", repeats=41)
     ratio_one = overhead(wl.train_step, state, batch, 0, repeats=41)
+    fold = finite_fold(wl.train_step, state, batch, repeats=41)
     speedup, n, t_one, t_re = sweep(wl.train_step, state, batch, n_sites=n_all)
     vwl, vstate, vbatch = _workload("vision", size)
     ratio_vision = overhead(vwl.train_step, vstate, vbatch, "dot_general", repeats=41)
@@ -86,6 +119,7 @@ def main() -> None:
         "runtime_overhead_ratio": round(ratio_all, 4),
         "runtime_overhead_ratio_one_site": round(ratio_one, 4),
         "runtime_overhead_ratio_vision": round(ratio_vision, 4),
+        "finite_fold_ratio": round(fold, 4),
         "switched_sites": n_all,
         "sweep_speedup": round(speedup, 2),
         "sweep_sites": n,

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from peat_jax.profiler.workload import typed_key
+
 State = dict[str, Any]
 Batch = dict[str, Any]
 Metrics = dict[str, jax.Array]
@@ -67,16 +69,6 @@ def check_positive(workload: str, config: Mapping[str, Any], *keys: str) -> None
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
             raise ValueError(f"config {key!r} of workload {workload!r} must be a positive int, "
                              f"got {value!r}")
-
-
-def as_typed_key(key: Any) -> jax.Array:
-    """Returns ``key`` as a typed PRNG key; accepts typed keys, raw uint32 keys and int seeds."""
-    if isinstance(key, (int, np.integer)):
-        return jax.random.key(int(key))
-    key = jnp.asarray(key)
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return key
-    return jax.random.wrap_key_data(key)
 
 
 def step_index(step: Any) -> int:
@@ -178,7 +170,7 @@ def make_workload(name: str, cfg: Mapping[str, Any], init_params: Callable[[jax.
         return new_state(init_params(params_key), tx, rng)
 
     def init(key: Any) -> State:
-        return _init(as_typed_key(key))
+        return _init(typed_key(key))
 
     return Workload(name=name, init=init, train_step=make_train_step(apply, tx), batch=batch,
                     evaluate=make_evaluate(apply, eval_batches), config=cfg)

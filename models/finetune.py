@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import optax
 
-from peat_jax.profiler.workload import Workload
+from peat_jax.profiler.workload import Workload, typed_key
 
 from . import _common, language, vision
 
@@ -140,7 +140,7 @@ def make_vision(*, pretrained_params: Any = None, **config: Any) -> Workload:
         return _common.new_state(params, tx, rng)
 
     def init(key: Any) -> _common.State:
-        pre_key, key = jax.random.split(_common.as_typed_key(key))
+        pre_key, key = jax.random.split(typed_key(key))
         if external:
             trunk = {k: v for k, v in dict(pretrained_params).items() if k != "head"}
             expected = jax.eval_shape(lambda k: vision.init_params(model, k), key)
@@ -193,7 +193,7 @@ def make_language(*, pretrained_params: Any = None, **config: Any) -> Workload:
         return _common.new_state(params, tx, key)
 
     def init(key: Any) -> _common.State:
-        pre_key, rng = jax.random.split(_common.as_typed_key(key))
+        pre_key, rng = jax.random.split(typed_key(key))
         if external:
             _check_params(name, jax.eval_shape(lambda k: language.init_params(model, k), pre_key),
                           pretrained_params)

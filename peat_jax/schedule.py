@@ -123,7 +123,7 @@ def step_fault_key(step) -> Callable[[Site, Fault], jax.Array]:
 
 
 def inject(train_step: Callable, substitution: Substitution, schedule: Schedule, *,
-           primitives=None, regions: Sequence[type] = ()) -> Callable:
+           primitives=None, regions: Sequence[Any] = ()) -> Callable:
     """`step_fn(state, batch, step)`: `train_step` with the candidate active on scheduled steps.
 
     The schedule is evaluated on `step` (a traced int is fine), so a jitted `step_fn` compiles
@@ -134,6 +134,7 @@ def inject(train_step: Callable, substitution: Substitution, schedule: Schedule,
     whole step was tried: bitwise everywhere, but 6-12x slower on the CNN workload on XLA:CPU,
     whose convolutions inside a conditional branch do not run at full speed.) A fault's randomness
     is drawn from `fold_in(key(seed), site, step)`, so each firing step gets its own reproducible
-    pattern.
+    pattern. `primitives` and `regions` (Flax module classes or dotted names of library
+    functions, `peat.intercept`) as in `peat.list_sites`.
     """
     return _Injected(train_step, substitution, schedule, primitives=primitives, regions=regions)

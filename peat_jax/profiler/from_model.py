@@ -33,7 +33,7 @@ import numpy as np
 import optax
 
 from peat_jax.errors import PeatError
-from peat_jax.profiler.workload import Workload
+from peat_jax.profiler.workload import Workload, typed_key
 
 __all__ = ["from_equinox", "from_flax", "workload_from"]
 
@@ -104,7 +104,7 @@ def workload_from(loss_fn: Callable[..., Any], params: Any,
                 "rng": rng}
 
     def init(key: Any) -> dict[str, Any]:
-        return _init(_typed_key(key), given)
+        return _init(typed_key(key), given)
 
     extra_args = isinstance(optimizer, optax.GradientTransformationExtraArgs)
 
@@ -299,16 +299,6 @@ def _checked_config(config: Optional[Mapping[str, Any]], name: str) -> dict[str,
         raise PeatError(f"workload {name!r}: config must hold JSON values only (str, numbers, "
                         f"bools, None, lists, dicts), as the manifest records it; got {config!r}")
     return dict(config)
-
-
-def _typed_key(key: Any) -> jax.Array:
-    """`key` as a typed PRNG key: typed keys, raw uint32 keys and int seeds."""
-    if isinstance(key, (int, np.integer)):
-        return jax.random.key(int(key))
-    key = jnp.asarray(key)
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return key
-    return jax.random.wrap_key_data(key)
 
 
 def _is_init_function(params: Any) -> bool:

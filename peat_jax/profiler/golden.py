@@ -6,7 +6,6 @@ import datetime
 import errno
 import hashlib
 import json
-import logging
 import sys
 from typing import Any, Callable, Optional
 
@@ -16,7 +15,7 @@ import numpy as np
 
 from peat_jax.errors import PeatError
 from peat_jax.precision import at_matmul_precision, matmul_precision
-from peat_jax.profiler.hostio import quiet, to_device
+from peat_jax.profiler.hostio import drop_abandoned_io_reports, quiet, to_device
 from peat_jax.profiler.ioerrors import as_oserror
 from peat_jax.profiler.lock import golden_writer
 from peat_jax.profiler.rundir import (FORMAT, MissingCheckpoint, PathLike, RunDir, append_jsonl,
@@ -262,13 +261,7 @@ def _drop_orbax_leftovers() -> None:
     hook._peat_drops_orbax = True
     sys.unraisablehook = hook
     # ... and the same reads' failures, logged by asyncio when their gathering future is dropped
-    logging.getLogger("asyncio").addFilter(_drop_abandoned_reads)
-
-
-def _drop_abandoned_reads(record: logging.LogRecord) -> bool:
-    message = record.getMessage()
-    return not ("exception was never retrieved" in message
-                and "while reading array index" in message)
+    drop_abandoned_io_reports()
 
 
 def _record_digest(rd: RunDir, identity: dict, step: int, state) -> None:

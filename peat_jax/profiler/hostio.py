@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["quiet", "to_device"]
+__all__ = ["drop_abandoned_io_reports", "quiet", "to_device"]
 
 
 class _ThreadFailures(logging.Filter):
@@ -63,6 +63,31 @@ def _drop_closed_loop_reports() -> None:
         sys.stderr = _ClosedLoopReports(sys.stderr)
 
 
+class _AbandonedTensorstoreIO(logging.Filter):
+    """Drops asyncio's "exception was never retrieved" report (with its traceback) of a
+    tensorstore read or write that Orbax gathered and then abandoned when another one failed
+    first (a full disk, a damaged checkpoint): the failure that stopped Orbax reaches the
+    caller, who says it in one line; the abandoned ones are the same failure, once per array."""
+
+    _IO = ("while reading array index", "Error writing", "OCDBT database")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("exception was never retrieved" in message
+                    and any(s in message for s in self._IO))
+
+
+ABANDONED_IO = _AbandonedTensorstoreIO()
+
+
+def drop_abandoned_io_reports() -> None:
+    """From now on, for the rest of the process (the reports come when the futures are
+    collected, often at exit), drop asyncio's reports of abandoned tensorstore IO."""
+    asyncio_log = logging.getLogger("asyncio")
+    if ABANDONED_IO not in asyncio_log.filters:
+        asyncio_log.addFilter(ABANDONED_IO)
+
+
 class quiet:
     """Context manager: Orbax/absl INFO logging silenced for its duration (the level before is
     put back on exit), and Orbax's tracebacks of worker threads whose exception is raised in
@@ -75,6 +100,7 @@ class quiet:
         absl.setLevel(logging.WARNING)
         absl.addFilter(_THREAD_FAILURES)
         _drop_closed_loop_reports()   # for the rest of the process: the reports come late
+        drop_abandoned_io_reports()
 
     def __exit__(self, *exc):
         absl = logging.getLogger("absl")

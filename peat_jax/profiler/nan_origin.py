@@ -55,7 +55,7 @@ from peat_jax.sites import Site, reduction_length
 from peat_jax.substitute import Substitution, make_rules, substitute
 
 __all__ = ["BlowUp", "GOLDEN_FACTOR", "NanOrigin", "STEP_FACTOR", "SiteRange", "all_finite",
-           "golden_absmax", "golden_nan_origin", "step_nan_origin"]
+           "golden_absmax", "golden_nan_origin", "step_nan_origin", "tree_finite"]
 
 GOLDEN_FACTOR = 2.0 ** 8
 """A site's output left the golden run's range when its abs-max exceeds this many times the
@@ -166,8 +166,14 @@ class NanOrigin:
                       "blew_up": BlowUp.from_dict(d.get("blew_up"))})
 
 
-_finite = jax.jit(lambda leaves: jnp.all(jnp.stack(
-    [jnp.all(jnp.isfinite(x)) for x in leaves] or [jnp.ones((), bool)])))
+def tree_finite(tree) -> jax.Array:
+    """A bool scalar array: every floating-point leaf of `tree` is finite everywhere (traceable:
+    a step folds it into its own program, so reading it costs no program of its own)."""
+    leaves = [x for x in jax.tree.leaves(tree) if _is_float(x)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves] or [jnp.ones((), bool)]))
+
+
+_finite = jax.jit(tree_finite)
 
 
 def _is_float(x) -> bool:
@@ -177,7 +183,7 @@ def _is_float(x) -> bool:
 
 def all_finite(tree) -> bool:
     """Whether every floating-point leaf of `tree` is finite everywhere (on the host)."""
-    return bool(_finite([x for x in jax.tree.leaves(tree) if _is_float(x)]))
+    return bool(_finite(tree))
 
 
 def _judged_output(outs) -> Optional[Any]:

@@ -7,7 +7,7 @@ import json
 import math
 import pathlib
 import shutil
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
 import numpy as np
@@ -19,7 +19,7 @@ from peat_jax.profiler.campaign import substitution_digest
 from peat_jax.profiler.golden import load_workload, restore, scalar_metrics, state_digest
 from peat_jax.profiler.hostio import quiet, to_device
 from peat_jax.profiler.lock import runtime_writer
-from peat_jax.profiler.nan_origin import NanOrigin, all_finite, golden_absmax, step_nan_origin
+from peat_jax.profiler.nan_origin import NanOrigin, golden_absmax, step_nan_origin, tree_finite
 from peat_jax.profiler.rundir import (PathLike, RunDir, atomic_write_json, recorded_precision,
                                       run_identity)
 from peat_jax.profiler.workload import Workload
@@ -329,7 +329,7 @@ def _runtime(run_dir_or_workload, substitution, schedule, *, steps, workload, re
             store = RuntimeStore(rd.campaign(name),
                                  runtime_spec(m, substitution, schedule, steps, regions))
             chunk = int(chunk or m["checkpoint_every"])
-    step_fn = jax.jit(inject(wl.train_step, substitution, schedule, regions=regions))
+    step_fn = jax.jit(_with_finite(inject(wl.train_step, substitution, schedule, regions=regions)))
     plain = jax.jit(wl.train_step) if golden is None else None
     resumed = store.progress() if store is not None else None
     if store is not None and resumed is None:
@@ -343,9 +343,9 @@ def _runtime(run_dir_or_workload, substitution, schedule, *, steps, workload, re
     with at_matmul_precision(precision):  # a run directory's: as its golden run trained
         for i in range(len(losses), steps):
             batch = to_device(wl.batch(i))
-            new, metrics = step_fn(state, batch, i)
+            new, metrics, finite = step_fn(state, batch, i)
             losses.append(scalar_metrics(metrics)["loss"])
-            if not searched and not (np.isfinite(losses[-1]) and all_finite(new)):
+            if not searched and not (np.isfinite(losses[-1]) and bool(finite)):
                 origin = step_nan_origin(wl.train_step, state, batch, i, substitution=substitution,
                                          schedule=schedule, regions=regions,
                                          golden=golden_absmax(rd.path) if rd is not None else None)
@@ -371,3 +371,15 @@ def _runtime(run_dir_or_workload, substitution, schedule, *, steps, workload, re
         atomic_write_json(store.path / "runtime.json", result.to_dict())
         store.discard()
     return result
+
+
+def _with_finite(step_fn: Callable) -> Callable:
+    """`step_fn(state, batch, i) -> (new, metrics)` also returning whether the new state is
+    finite everywhere, computed in the same program: the run reads it with the step's metrics
+    instead of launching a reduction of its own every step."""
+    def stepped(state, batch, i):
+        new, metrics = step_fn(state, batch, i)
+        return new, metrics, tree_finite(new)
+
+    stepped.__name__ = stepped.__qualname__ = getattr(step_fn, "__name__", "step")
+    return stepped

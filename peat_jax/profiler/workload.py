@@ -19,10 +19,14 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from peat_jax.errors import PeatError
 
 __all__ = ["ENTRY_POINT_GROUP", "Workload", "WorkloadFactory", "register_workload",
-           "registered_workloads", "workload_factory"]
+           "registered_workloads", "typed_key", "workload_factory"]
 
 ENTRY_POINT_GROUP = "peat_jax.workloads"
 
@@ -108,3 +112,14 @@ def workload_factory(name: str) -> WorkloadFactory:
         raise PeatError(f"the entry point {ep.value!r} of workload {name!r} cannot be loaded: "
                         f"{type(e).__name__}: {e}") from e
     return register_workload(name, factory)
+
+
+def typed_key(key: Any) -> jax.Array:
+    """`key` as a typed PRNG key (what a train state's "rng" holds): typed keys, raw uint32 keys
+    and int seeds."""
+    if isinstance(key, (int, np.integer)):
+        return jax.random.key(int(key))
+    key = jnp.asarray(key)
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    return jax.random.wrap_key_data(key)
