@@ -1,28 +1,39 @@
-"""Playback throughput over processes on jax.distributed, measured side by side.
+"""Playback throughput over processes on jax.distributed, measured side by side, and what it
+projects for a cluster.
 
-A small golden run of the vision workload (checkpoints 0, 2, 4, 6 x its 6 dot_general sites = 24
-cells) is profiled once; the same campaign (`peat playback --fault "scale(2.0)"`) then runs as 1,
-2 and 4 real processes on localhost (`--coordinator`, a port from the OS), in interleaved rounds,
-each on a fresh campaign name. An untimed warm-up run at each process count fills the persistent
-compilation cache first (a process of a multi-process run compiles other executables than a lone
-one), so every timed run loads its executables alike.
+A small golden run of the vision workload (checkpoints 0, 2, .., 66 x its 6 dot_general sites =
+204 cells) is profiled once; the same campaign (`peat playback --fault "scale(2.0)"`) then runs
+as 1 and 2 real processes on localhost (`--coordinator`, a port from the OS), in interleaved
+rounds, each on a fresh campaign name, beside a one-process campaign of its first checkpoint only
+(6 cells). An untimed warm-up run at each process count fills the persistent compilation cache
+first; every process writes its own programs there (jax's rule is process 0 only, and the keys
+name each process's device), so the timed runs load every program and compile none.
 
-cells_per_s: {"1": .., "2": .., "4": ..}: cells over the median wall time from starting the
-  processes to the last one's exit (import, restore, trace and compile included: what a user
-  waits for).
-speedup: cells_per_s over that of one process.
+cells_per_s: {"1": .., "2": ..}: cells over the median wall time from starting the processes to
+  the last one's exit (import, restore, trace and compile included: what a user waits for).
+speedup: cells_per_s over that of one process (goal: >= 1.6 for 2 processes on 2 cores).
+per_cell_s, startup_s: from one process's times for 204 and for 6 cells (T = startup + n x
+  per_cell); startup_2_s the same for the 2-process campaign (its coordinator join included).
+cache_entries_written_by_timed_runs: persistent-cache files the timed runs added (0: every
+  process of every timed run loaded all it ran).
+projection: for 8, 64 and 512 processes (one core each) and a campaign of 10,000 cells,
+  T = startup_2_s + per_cell_s x ceil(10000 / P): the expected wall seconds and speedup over one
+  process. It assumes what was measured here carries over: one core per process, the start-up
+  of a 2-process run (jax's coordination service joins each process once; its cost per process
+  at 512 is not measured), and a run directory on a filesystem that keeps up with P appenders.
 merged_equal_to_single: true when every cell of every merged multi-process campaign equals the
   one-process campaign's (diagnoses, losses, signatures), each cell recorded once.
 Each process runs with `XLA_FLAGS=--xla_cpu_multi_thread_eigen=false` (one compute thread for
 XLA:CPU's matmuls and convolutions, the one process included), so N processes on N cores do not
-fight over threads; on this 2-core machine 4 processes cannot scale past 2.
+fight over threads.
 On a GPU (`--gpu`, for `gpu_check.sh`): the language workload at size="large" with the bundled
 Pallas matmul, cells per second of one process, printed as `gpu_cells_per_s`.
-Prints one JSON object on one line; runs with no arguments in a few minutes on 2 CPU cores.
+Prints one JSON object on one line; runs with no arguments in about 5 minutes on 2 CPU cores.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import socket
@@ -36,7 +47,9 @@ from peat_jax import models
 from peat_jax.profiler.campaign import merged_records
 from peat_jax.profiler.golden import profile
 
-COUNTS = (1, 2, 4)
+COUNTS = (1, 2)
+PROJECTED = (8, 64, 512)
+PROJECTED_CELLS = 10_000
 COMPARED = ("checkpoint", "site", "candidate", "status", "local", "effect", "effect_leaf", "loss",
             "local_signature")
 
@@ -75,29 +88,52 @@ def _cells(run_dir: pathlib.Path, name: str) -> dict:
             for r in merged_records(path)}
 
 
+def _cache_files(path: pathlib.Path) -> int:
+    return sum(1 for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
 def cpu(rounds: int = 2) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = pathlib.Path(tmp) / "run"
-        profile(models.get("vision", batch_size=16, width=8, hidden=32), run_dir, steps=8,
+        profile(models.get("vision", batch_size=16, width=8, hidden=32), run_dir, steps=66,
                 checkpoint_every=2)
-        env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "PEAT_CACHE_DIR": str(pathlib.Path(tmp) / "xla"),
+        cache = pathlib.Path(tmp) / "xla"
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PEAT_CACHE_DIR": str(cache),
                "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") +
                              " --xla_cpu_multi_thread_eigen=false").strip()}
         candidate = ["--fault", "scale(2.0)"]
-        for n in COUNTS:  # compiled executables differ by process count: cache each
+        first = [*candidate, "--checkpoints", "0"]
+        for n in COUNTS:  # each process count compiles its own programs: cache them
             campaign(run_dir, f"warmup-{n}", n, env, candidate)
+        campaign(run_dir, "warmup-first", 1, env, first)
+        cached = _cache_files(cache)
         times: dict[int, list[float]] = {n: [] for n in COUNTS}
+        small: list[float] = []
         for r in range(rounds):
             for n in COUNTS:
                 times[n].append(campaign(run_dir, f"p{n}-r{r}", n, env, candidate))
+            small.append(campaign(run_dir, f"first-r{r}", 1, env, first))
         single = _cells(run_dir, "p1-r0")
+        cells, few = len(single), len(_cells(run_dir, "first-r0"))
         equal = bool(single) and all(_cells(run_dir, f"p{n}-r{r}") == single
                                      for n in COUNTS for r in range(rounds))
-        per_s = {str(n): round(len(single) / statistics.median(t), 3) for n, t in times.items()}
-        return {"cells": len(single), "rounds": rounds, "cells_per_s": per_s,
+        median = {n: statistics.median(t) for n, t in times.items()}
+        per_cell = (median[1] - statistics.median(small)) / (cells - few)
+        startup = median[1] - per_cell * cells
+        startup_2 = median[2] - per_cell * math.ceil(cells / 2)
+        one = startup + per_cell * PROJECTED_CELLS
+        projection = {}
+        for p in PROJECTED:
+            t = startup_2 + per_cell * math.ceil(PROJECTED_CELLS / p)
+            projection[str(p)] = {"wall_s": round(t, 1), "speedup": round(one / t, 1)}
+        per_s = {str(n): round(cells / m, 3) for n, m in median.items()}
+        return {"cells": cells, "rounds": rounds, "cells_per_s": per_s,
                 "speedup": {n: round(v / per_s["1"], 3) for n, v in per_s.items()},
-                "median_s": {str(n): round(statistics.median(t), 2) for n, t in times.items()},
+                "median_s": {str(n): round(m, 2) for n, m in median.items()},
+                "per_cell_s": round(per_cell, 4), "startup_s": round(startup, 2),
+                "startup_2_s": round(startup_2, 2),
+                "cache_entries_written_by_timed_runs": _cache_files(cache) - cached,
+                "projection": {"cells": PROJECTED_CELLS, "processes": projection},
                 "merged_equal_to_single": equal, "cpu_count": os.cpu_count(),
                 "load_avg_1min": round(os.getloadavg()[0], 2)}
 

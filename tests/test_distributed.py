@@ -174,3 +174,34 @@ def test_processes_come_from_flags_then_environment(args, env, want):
 def test_bad_process_arguments_are_refused(args, env, match):
     with pytest.raises(PeatError, match=match):
         distributed.processes(*args, environ=env)
+
+
+_PROBE = """
+import sys
+import jax, jax.numpy as jnp
+import peat_jax as peat
+from peat_jax.profiler import distributed
+i, coordinator, cache = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+distributed.start(distributed.Processes(index=i, count=2, coordinator=coordinator), timeout=60)
+peat.enable_compilation_cache(cache)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+def f(x):
+    return jnp.sin(x) * 2
+f.__name__ = f"probe_{i}"
+jax.jit(f)(jnp.ones(3)).block_until_ready()
+distributed.finish()
+"""
+
+
+def test_every_process_writes_its_programs_to_the_persistent_cache(tmp_path):
+    """jax writes cache entries from process 0 only, and on CPU a key names the process's
+    device: without peat's rule, process 1 compiled its programs afresh in every run."""
+    coordinator = f"localhost:{_free_port()}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, "-c", _PROBE, str(i), coordinator,
+                               str(tmp_path / "xla")], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    results = _wait(procs, timeout=120)
+    assert [rc for rc, _, _ in results] == [0, 0], [e[-2000:] for _, _, e in results]
+    written = {p.name.split("-")[0] for p in (tmp_path / "xla").iterdir()}
+    assert {"jit_probe_0", "jit_probe_1"} <= written

@@ -1,11 +1,12 @@
 """XLA FFI kernels: the bundled naive C++ matmul compiled from source by this test run (into a
 fresh cache directory), its cache, compiler errors, accuracy at dot_general sites and training;
-the CUDA build (nvcc, compile only here; run where jax has a GPU), its errors and cache; the
-seeded tile bug diagnosed; a target with no implementation for the backend refused before the
-call."""
+the CUDA build (nvcc) and the ROCm build (hipcc, for gfx90a), compile only here (run where jax
+has that GPU), their errors and cache; the seeded tile bug diagnosed; a target with no
+implementation for the backend refused before the call."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 
@@ -221,6 +222,10 @@ def test_first_error_location():
     assert ffi.first_error_location("In file included from a.h:3,\n/t/b.cc:7:5: error: e") \
         == "/t/b.cc:7"
     assert ffi.first_error_location("nvcc fatal   : Unsupported gpu architecture") is None
+    assert ffi.first_error_location(  # hipcc (clang)
+        "/t/k.hip:3:38: error: use of undeclared identifier 'y'\n1 error generated when "
+        "compiling for gfx90a.") == "/t/k.hip:3"
+    assert ffi.first_error_location("clang: error: invalid target ID 'gfx942'") is None
 
 
 def test_local_headers_are_part_of_the_cache_key(tmp_path):
@@ -230,6 +235,125 @@ def test_local_headers_are_part_of_the_cache_key(tmp_path):
     first = ffi.build_ffi_library(src, "k", cache_dir=tmp_path)
     (tmp_path / "defs.h").write_text("#define SCALE 2.0f\n")
     assert ffi.build_ffi_library(src, "k", cache_dir=tmp_path) != first
+
+
+# --------------------------------------------------------------------------------------------
+# ROCm: built with hipcc here (compile only, for the MI250's gfx90a), run only where jax has an
+# AMD GPU
+
+def _have_hipcc() -> bool:
+    try:
+        ffi.find_hipcc()
+        return True
+    except peat.PeatError:
+        return False
+
+
+HAVE_ROCM = ffi_platform() == "ROCM"
+needs_hipcc = pytest.mark.skipif(not _have_hipcc(), reason="hipcc is not installed ($HIPCC, "
+                                 "PATH, $ROCM_PATH/bin, /opt/rocm/bin, /usr/bin): apt-get install "
+                                 "hipcc (or the ROCm toolkit) to compile-test the HIP sources")
+needs_rocm_gpu = pytest.mark.skipif(not HAVE_ROCM, reason="jax has no ROCm GPU here: the HIP "
+                                    "build of ffi_matmul only runs on an AMD GPU with jax's ROCm "
+                                    "backend (run this file there)")
+
+
+def _exported(lib) -> set[str]:
+    """The dynamic symbols `lib` defines (`nm -D --defined-only`)."""
+    out = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True,
+                         check=True).stdout
+    return {line.split()[-1] for line in out.splitlines() if line.strip()}
+
+
+@needs_hipcc
+def test_bundled_hip_source_compiles_for_gfx90a_and_is_cached(cache_dir, monkeypatch):
+    runs = _Runs(monkeypatch)
+    t0 = time.perf_counter()
+    lib = ffi.build_rocm_library(ffi._CSRC / "naive_matmul.hip", "naive_matmul_rocm",
+                                 cache_dir=cache_dir)
+    first = time.perf_counter() - t0
+    (cmd,) = runs.compiles()
+    assert "--offload-arch=gfx90a" in cmd  # the MI250, by default
+    if shutil.which("nm"):
+        assert {"NaiveMatmul", "NaiveMatmulTileBug"} <= _exported(lib)  # exported handlers
+    data = lib.read_bytes()
+    assert b"NaiveMatmul\0" in data and b"NaiveMatmulTileBug\0" in data
+    assert b"amdgcn-amd-amdhsa--gfx90a" in data  # a gfx90a code object in the offload bundle
+    t0 = time.perf_counter()
+    again = ffi.build_rocm_library(ffi._CSRC / "naive_matmul.hip", "naive_matmul_rocm",
+                                   cache_dir=cache_dir)
+    hit = time.perf_counter() - t0
+    assert again == lib and len(runs.compiles()) == 1  # cache hit: hipcc --version only
+    print(f"hipcc build {first:.1f} s ({' '.join(a for a in cmd if 'offload-arch' in a)}), "
+          f"cache hit {hit:.3f} s")
+    other = ffi.build_ffi_library(ffi._CSRC / "naive_matmul.hip", "naive_matmul_rocm",
+                                  cache_dir=cache_dir)  # a .hip handed on to hipcc: same key
+    assert other == lib
+
+
+@needs_hipcc
+def test_hip_compile_error_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.hip"
+    bad.write_text('#include <hip/hip_runtime.h>\n\n__global__ void k(float* x) { x[0] = y; }\n')
+    with pytest.raises(peat.PeatError,
+                       match=r"(?s)compiling bad.hip failed at \S*bad\.hip:3 \(exit \d+\): "
+                             r"\S*hipcc .*--offload-arch=gfx90a.*undeclared identifier 'y'"):
+        ffi.build_rocm_library(bad, "bad", cache_dir=tmp_path, arch="gfx90a")
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".so")]  # no half-built library
+
+
+def test_missing_hipcc_is_a_peat_error_saying_what_to_do(tmp_path, monkeypatch):
+    src = tmp_path / "k.hip"
+    src.write_text("// empty\n")
+    monkeypatch.setenv("HIPCC", str(tmp_path / "no-hipcc"))
+    with pytest.raises(peat.PeatError, match=r"no-hipcc' \(from \$HIPCC\) is not an executable"):
+        ffi.build_rocm_library(src, "k", cache_dir=tmp_path)
+    monkeypatch.delenv("HIPCC")
+    monkeypatch.delenv("ROCM_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(ffi, "HIPCC_DEFAULTS", (str(tmp_path / "rocm/bin/hipcc"),))
+    with pytest.raises(peat.PeatError) as e:
+        ffi.build_rocm_library(src, "k", cache_dir=tmp_path)
+    message = str(e.value)
+    assert "\n" not in message, message  # one line
+    assert message.startswith("HIP compiler hipcc not found ($HIPCC unset, not on PATH")
+    assert "install the ROCm toolkit" in message and "`apt-get install hipcc`" in message
+    assert "set $HIPCC" in message
+
+
+def test_rocm_arch_flags(monkeypatch):
+    assert ffi.rocm_arch_flags("gfx90a") == ["--offload-arch=gfx90a"]
+    assert ffi.rocm_arch_flags(["gfx90a", "gfx942:xnack-"]) == [
+        "--offload-arch=gfx90a", "--offload-arch=gfx942:xnack-"]
+    with pytest.raises(peat.PeatError, match="must look like 'gfx90a'"):
+        ffi.rocm_arch_flags("mi250")
+    with pytest.raises(peat.PeatError, match="names no AMD GPU architecture"):
+        ffi.rocm_arch_flags([])
+    # by default: those of ROCM_ARCHS the compiler accepts (Debian's hipcc 5.2 has no gfx942)
+    monkeypatch.setattr(ffi, "_hipcc_accepts", lambda hipcc, arch: arch != "gfx942")
+    assert ffi.rocm_arch_flags(hipcc="/x/hipcc") == ["--offload-arch=gfx90a"]
+    monkeypatch.setattr(ffi, "_hipcc_accepts", lambda hipcc, arch: True)
+    assert ffi.rocm_arch_flags(hipcc="/x/hipcc") == ["--offload-arch=gfx90a",
+                                                     "--offload-arch=gfx942"]
+    monkeypatch.setattr(ffi, "_hipcc_accepts", lambda hipcc, arch: False)
+    with pytest.raises(peat.PeatError, match="accepts none of the default"):
+        ffi.rocm_arch_flags(hipcc="/x/hipcc")
+
+
+@needs_hipcc
+def test_default_rocm_archs_are_those_hipcc_accepts():
+    flags = ffi.rocm_arch_flags()
+    assert "--offload-arch=gfx90a" in flags
+    print("default ROCm archs of", ffi.find_hipcc(), ":", " ".join(flags))
+
+
+def test_gpu_sources_go_to_their_own_platform(tmp_path):
+    with pytest.raises(peat.PeatError, match="naive_matmul.hip is a HIP source: pass it as "
+                                             "rocm=, not as the CPU library"):
+        ffi.ffi_target(ffi._CSRC / "naive_matmul.hip", "NaiveMatmul", cache_dir=tmp_path)
+    with pytest.raises(peat.PeatError, match="naive_matmul.cu is a CUDA source: pass it as "
+                                             "cuda=, not as the CPU library"):
+        ffi.ffi_target(ffi._CSRC / "naive_matmul.cu", "NaiveMatmul", cache_dir=tmp_path)
 
 
 @pytest.mark.skipif(HAVE_GPU, reason="the backend is CUDA: a CUDA-only kernel has its "
@@ -247,6 +371,18 @@ def test_a_backend_without_an_implementation_is_refused_before_the_call():
         jax.jit(k)(a, a)
 
 
+@pytest.mark.skipif(HAVE_ROCM, reason="the backend is ROCm: a ROCm-only kernel has its "
+                    "implementation here")
+def test_a_rocm_only_kernel_is_neither_built_nor_called_elsewhere():
+    # on a backend other than ROCm the .hip file is neither built nor loaded (no hipcc needed)
+    k = ffi.ffi_kernel(None, "NaiveMatmul", rocm=ffi._CSRC / "naive_matmul.hip", name="rocm_mm",
+                       hipcc="/no/such/hipcc")
+    a = jnp.ones((4, 4))
+    with pytest.raises(peat.PeatError, match=rf"rocm_mm has no {ffi_platform()} implementation "
+                                             r"registered \(it has: none\)"):
+        jax.jit(k)(a, a)
+
+
 def _target_of(kernel) -> str:
     """The FFI target name in the jaxpr of `kernel` at a plain matmul site."""
     jaxpr = str(jax.make_jaxpr(lambda a, b: kernel(a, b, dimension_numbers=MM_DIMS))(
@@ -256,7 +392,7 @@ def _target_of(kernel) -> str:
 
 def test_one_target_name_for_every_platform(kernel):
     assert ffi.registered_platforms(_target_of(kernel)) == (
-        {"cpu", "CUDA"} if HAVE_GPU else {"cpu"})
+        {"cpu", "CUDA"} if HAVE_GPU else {"cpu", "ROCM"} if HAVE_ROCM else {"cpu"})
 
 
 def _check_matmul(kernel, variants=None):
@@ -286,6 +422,16 @@ def test_seeded_tile_bug_is_named_by_the_detector(cache_dir, tile_bug):
 def test_cuda_build_checks_on_the_gpu(cache_dir):
     k = ffi.ffi_matmul(cache_dir=cache_dir)
     assert "CUDA" in ffi.registered_platforms(_target_of(k))
+    d = _check_matmul(k)
+    assert d.passed, d.summary
+    bug = _check_matmul(ffi.ffi_matmul(tile_bug=True, cache_dir=cache_dir))
+    assert not bug.passed and bug.model == "tile_boundary", bug.summary
+
+
+@needs_rocm_gpu
+def test_rocm_build_checks_on_the_gpu(cache_dir):
+    k = ffi.ffi_matmul(cache_dir=cache_dir)
+    assert "ROCM" in ffi.registered_platforms(_target_of(k))
     d = _check_matmul(k)
     assert d.passed, d.summary
     bug = _check_matmul(ffi.ffi_matmul(tile_bug=True, cache_dir=cache_dir))

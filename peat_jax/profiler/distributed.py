@@ -4,7 +4,9 @@ N processes started with one coordinator address, the count N and each its own i
 `jax.distributed.initialize`; `peat.playback` then splits the grid by `jax.process_index()` of
 `jax.process_count()`, each process appends to its own results file, and every reader sees the
 merged campaign (`peat_jax.profiler.campaign`). Playback runs no collective: the processes share
-only the run directory and the coordination service.
+only the run directory and the coordination service. Every process writes its compiled
+programs to the persistent cache (jax's own rule is process 0 only), so a rerun of any share
+loads them.
 
 Processes that die:
   * jax's default ends every process when one dies. `start` turns on jax's recoverable mode
@@ -133,6 +135,8 @@ def start(procs: Processes, *, timeout: float = 120.0, heartbeat_timeout: int = 
     except RuntimeError as e:
         raise PeatError(f"cannot join jax's multi-process runtime: {e}. Start the processes "
                         "afresh, with nothing run on jax before") from None
+    # each process compiles for its own device: let it keep its programs for the next run
+    _jax.cache_writes_from_every_process()
 
 
 def _wait_for_coordinator(address: str, timeout: float) -> None:

@@ -4,7 +4,7 @@
 // Accumulates in float32 in the order k = 0..K-1, one output element at a time (i, k, j loops).
 // Built by peat_jax.kernels.ffi.build_ffi_library; exported symbols: NaiveMatmul, and
 // NaiveMatmulTileBug, the same with a seeded bug (the rows of a last partial row tile of
-// naive_matmul.h's kTile are never written: they stay zero), as in naive_matmul.cu.
+// naive_matmul.h's kTile are never written: they stay zero), as in naive_matmul_gpu.h.
 #include <cstdint>
 
 #include "naive_matmul.h"

@@ -1,97 +1,21 @@
-// A tiled float32 batched matmul as an XLA FFI handler (CUDA): out[b] = a[b] @ b[b].
-//
-// a: f32[..., M, K], b: f32[..., K, N] with equal leading (batch) dims; out: f32[..., M, N].
-// One kTile x kTile thread block per output tile; A and B tiles staged through shared memory
-// along K (the last partial tiles zero-padded); float32 accumulation in the order k = 0..K-1
-// (nvcc contracts it into FMAs). Launched on the stream XLA passes.
-// Built by peat_jax.kernels.ffi.build_cuda_library; exported symbols: NaiveMatmul, and
-// NaiveMatmulTileBug, the same with a seeded bug: the row bound is the full-tile count times
-// kTile, so the rows of a last partial row tile are never written (the output is zeroed first,
-// so they read as zeros), as in naive_matmul.cc.
+// The bundled tiled float32 matmul as XLA FFI handlers, CUDA build (nvcc): the kernel and the
+// handlers are in naive_matmul_gpu.h (shared with naive_matmul.hip); this file binds them to the
+// CUDA runtime. Built by peat_jax.kernels.ffi.build_cuda_library; exported symbols: NaiveMatmul
+// and NaiveMatmulTileBug (the seeded bug of naive_matmul.cc).
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <cstdint>
-#include <string>
+#include <cstddef>
 
-#include "naive_matmul.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
-
-namespace {
-
-constexpr int kT = static_cast<int>(peat::kTile);
-constexpr int64_t kMaxGridYZ = 65535;
-
-// C[g] = A[g] @ B[g] for g = blockIdx.z, blockIdx.z + gridDim.z, ...; rows >= `rows` of C are
-// not written.
-__global__ void TiledMatmul(const float* __restrict__ A, const float* __restrict__ B,
-                            float* __restrict__ C, int64_t batch, int64_t m, int64_t k,
-                            int64_t n, int64_t rows) {
-  __shared__ float As[kT][kT];
-  __shared__ float Bs[kT][kT];
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  const int64_t row = static_cast<int64_t>(blockIdx.y) * kT + ty;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * kT + tx;
-  for (int64_t g = blockIdx.z; g < batch; g += gridDim.z) {
-    const float* Ag = A + g * m * k;
-    const float* Bg = B + g * k * n;
-    float acc = 0.0f;
-    for (int64_t t = 0; t < k; t += kT) {
-      As[ty][tx] = (row < m && t + tx < k) ? Ag[row * k + t + tx] : 0.0f;
-      Bs[ty][tx] = (t + ty < k && col < n) ? Bg[(t + ty) * n + col] : 0.0f;
-      __syncthreads();
-      const int len = static_cast<int>(k - t < kT ? k - t : kT);
-      for (int i = 0; i < len; ++i) acc += As[ty][i] * Bs[i][tx];
-      __syncthreads();
-    }
-    if (row < rows && col < n) C[g * m * n + row * n + col] = acc;
-  }
+namespace peat::gpu {
+using Stream = cudaStream_t;
+using Status = cudaError_t;
+constexpr Status kSuccess = cudaSuccess;
+constexpr const char* kRuntime = "CUDA";
+inline Status MemsetAsync(void* p, int value, size_t bytes, Stream s) {
+  return cudaMemsetAsync(p, value, bytes, s);
 }
+inline Status GetLastError() { return cudaGetLastError(); }
+inline const char* ErrorString(Status err) { return cudaGetErrorString(err); }
+}  // namespace peat::gpu
 
-ffi::Error CudaError(const char* what, cudaError_t err) {
-  return ffi::Error::Internal(std::string("NaiveMatmul (CUDA): ") + what + ": " +
-                              cudaGetErrorString(err));
-}
-
-template <bool kTileBug>
-ffi::Error NaiveMatmulCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
-                           ffi::ResultBuffer<ffi::F32> out) {
-  peat::MatmulShape s;
-  ffi::Error status = peat::CheckMatmulShapes(a.dimensions(), b.dimensions(), out->dimensions(), &s);
-  if (!status.success()) return status;
-  if (s.batch == 0 || s.m == 0 || s.n == 0) return ffi::Error::Success();
-  const int64_t tiles_m = (s.m + kT - 1) / kT, tiles_n = (s.n + kT - 1) / kT;
-  if (tiles_m > kMaxGridYZ) {
-    return ffi::Error::InvalidArgument("NaiveMatmul (CUDA): M = " + std::to_string(s.m) +
-                                       " exceeds " + std::to_string(kMaxGridYZ * kT) + " rows");
-  }
-  float* C = out->typed_data();
-  if (kTileBug) {
-    cudaError_t err = cudaMemsetAsync(C, 0, sizeof(float) * s.batch * s.m * s.n, stream);
-    if (err != cudaSuccess) return CudaError("cudaMemsetAsync failed", err);
-  }
-  const dim3 block(kT, kT);
-  const dim3 grid(static_cast<unsigned>(tiles_n), static_cast<unsigned>(tiles_m),
-                  static_cast<unsigned>(std::min(s.batch, kMaxGridYZ)));
-  TiledMatmul<<<grid, block, 0, stream>>>(a.typed_data(), b.typed_data(), C, s.batch, s.m, s.k,
-                                          s.n, peat::RowsWritten(s.m, kTileBug));
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return CudaError("kernel launch failed", err);
-  return ffi::Error::Success();
-}
-
-}  // namespace
-
-// The handlers' signature: the stream, a, b -> out.
-static auto MatmulBinding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Ret<ffi::Buffer<ffi::F32>>();
-}
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NaiveMatmul, NaiveMatmulCuda<false>, MatmulBinding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NaiveMatmulTileBug, NaiveMatmulCuda<true>, MatmulBinding());
+#include "naive_matmul_gpu.h"

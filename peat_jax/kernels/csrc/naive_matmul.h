@@ -1,5 +1,6 @@
-// Shared by naive_matmul.cc (CPU) and naive_matmul.cu (CUDA): the operand checks, the tile size
-// and which output rows each variant writes, so that both builds compute the same thing.
+// Shared by naive_matmul.cc (CPU) and naive_matmul_gpu.h (CUDA and ROCm): the operand checks,
+// the tile size and which output rows each variant writes, so that every build computes the same
+// thing.
 //
 // a: f32[..., M, K], b: f32[..., K, N] with equal leading (batch) dims; out: f32[..., M, N].
 #ifndef PEAT_NAIVE_MATMUL_H_
@@ -14,8 +15,8 @@ namespace peat {
 
 namespace ffi = xla::ffi;
 
-// The output tile (rows and columns) of the CUDA kernel; the seeded bug is defined by it on
-// both platforms.
+// The output tile (rows and columns) of the GPU kernel; the seeded bug is defined by it on
+// every platform.
 constexpr int64_t kTile = 16;
 
 struct MatmulShape {
