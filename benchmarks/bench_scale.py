@@ -1,8 +1,9 @@
 """Playback throughput over processes on jax.distributed, measured side by side, and what it
 projects for a cluster.
 
-A small golden run of the vision workload (checkpoints 0, 2, .., 66 x its 6 dot_general sites =
-204 cells) is profiled once; the same campaign (`peat playback --fault "scale(2.0)"`) then runs
+A small golden run of the vision workload (checkpoints 0, 2, .., 202 x its 6 dot_general sites =
+612 cells: at 204 cells the start-up, 3.9 s, was half of one process's time, and 2 processes gave
+1.36x) is profiled once; the same campaign (`peat playback --fault "scale(2.0)"`) then runs
 as 1 and 2 real processes on localhost (`--coordinator`, a port from the OS), in interleaved
 rounds, each on a fresh campaign name, beside a one-process campaign of its first checkpoint only
 (6 cells). An untimed warm-up run at each process count fills the persistent compilation cache
@@ -12,7 +13,7 @@ name each process's device), so the timed runs load every program and compile no
 cells_per_s: {"1": .., "2": ..}: cells over the median wall time from starting the processes to
   the last one's exit (import, restore, trace and compile included: what a user waits for).
 speedup: cells_per_s over that of one process (goal: >= 1.6 for 2 processes on 2 cores).
-per_cell_s, startup_s: from one process's times for 204 and for 6 cells (T = startup + n x
+per_cell_s, startup_s: from one process's times for 612 and for 6 cells (T = startup + n x
   per_cell); startup_2_s the same for the 2-process campaign (its coordinator join included).
 cache_entries_written_by_timed_runs: persistent-cache files the timed runs added (0: every
   process of every timed run loaded all it ran).
@@ -23,9 +24,9 @@ projection: for 8, 64 and 512 processes (one core each) and a campaign of 10,000
   at 512 is not measured), and a run directory on a filesystem that keeps up with P appenders.
 merged_equal_to_single: true when every cell of every merged multi-process campaign equals the
   one-process campaign's (diagnoses, losses, signatures), each cell recorded once.
-Each process runs with `XLA_FLAGS=--xla_cpu_multi_thread_eigen=false` (one compute thread for
-XLA:CPU's matmuls and convolutions, the one process included), so N processes on N cores do not
-fight over threads.
+Each process is pinned to one core (`os.sched_setaffinity`, the lone process included): XLA:CPU
+otherwise spreads one process over every core, flags or not, and N processes on N cores fight
+over them; one core per process is also what the projection assumes.
 On a GPU (`--gpu`, for `gpu_check.sh`): the language workload at size="large" with the bundled
 Pallas matmul, cells per second of one process, printed as `gpu_cells_per_s`.
 Prints one JSON object on one line; runs with no arguments in about 5 minutes on 2 CPU cores.
@@ -60,6 +61,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _on_one_core(i: int):
+    """A preexec_fn that pins process `i` to one core of those this process may use (the i-th,
+    round-robin): XLA:CPU spreads one process's work over every core it may use whatever
+    `--xla_cpu_multi_thread_eigen` says (1.5 cores measured on a matmul loop here), so unpinned
+    a lone process is already a multi-core one."""
+    cores = sorted(os.sched_getaffinity(0))
+    return lambda: os.sched_setaffinity(0, {cores[i % len(cores)]})
+
+
 def campaign(run_dir: pathlib.Path, name: str, n: int, env: dict, candidate: list[str]) -> float:
     """Seconds from starting `n` playback processes of campaign `name` to the last one's exit."""
     share = [] if n == 1 else ["--coordinator", f"localhost:{_free_port()}",
@@ -69,7 +79,7 @@ def campaign(run_dir: pathlib.Path, name: str, n: int, env: dict, candidate: lis
                                *candidate, "--name", name, "--json", *share,
                                *(["--process-id", str(i)] if n > 1 else [])],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True) for i in range(n)]
+                              text=True, preexec_fn=_on_one_core(i)) for i in range(n)]
     errors = [p.communicate(timeout=600)[1] for p in procs]
     seconds = time.perf_counter() - t0
     print(f"{name}: {n} process(es), {seconds:.1f} s", file=sys.stderr, flush=True)
@@ -92,15 +102,13 @@ def _cache_files(path: pathlib.Path) -> int:
     return sum(1 for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
 
-def cpu(rounds: int = 2) -> dict:
+def cpu(rounds: int = 3) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = pathlib.Path(tmp) / "run"
-        profile(models.get("vision", batch_size=16, width=8, hidden=32), run_dir, steps=66,
+        profile(models.get("vision", batch_size=16, width=8, hidden=32), run_dir, steps=204,
                 checkpoint_every=2)
         cache = pathlib.Path(tmp) / "xla"
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PEAT_CACHE_DIR": str(cache),
-               "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_cpu_multi_thread_eigen=false").strip()}
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PEAT_CACHE_DIR": str(cache)}
         candidate = ["--fault", "scale(2.0)"]
         first = [*candidate, "--checkpoints", "0"]
         for n in COUNTS:  # each process count compiles its own programs: cache them

@@ -98,12 +98,12 @@ def test_shares_of_one_campaign_exclude_each_other_only_where_their_cells_overla
     def share(i, n):
         return lk.RunLock(camp / (lk.LOCK if n == 1 else f"{lk.LOCK}.p{i}-of-{n}"), "c", (i, n))
 
-    with share(0, 2):
-        with share(1, 2):  # cells 1, 3, 5, ...: none of share 0 of 2's
+    with share(0, 2):  # the grid's first half
+        with share(1, 2):  # the second half: none of share 0 of 2's cells
             pass
-        with share(1, 4), share(3, 4):
+        with share(2, 4), share(3, 4):
             pass
-        for i, n in ((2, 4), (1, 3), (0, 1)):
+        for i, n in ((1, 4), (1, 3), (0, 1)):
             with pytest.raises(lk.LockHeld,
                                match=r"share of the grid \(process 0 of 2\) "
                                      rf"overlaps this one's \({lk._share_text((i, n))}"):

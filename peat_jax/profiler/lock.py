@@ -40,7 +40,6 @@ import datetime
 import errno
 import json
 import logging
-import math
 import os
 import pathlib
 import re
@@ -210,9 +209,11 @@ def _share_text(share: tuple[int, int]) -> str:
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    """Whether shares a = (i, n) and b = (j, m) of one grid have a cell in common (cell k is
-    share i's when k mod n == i)."""
-    return (a[0] - b[0]) % math.gcd(a[1], b[1]) == 0
+    """Whether shares a = (i, n) and b = (j, m) of one grid may have a cell in common: share i
+    of n is the grid's i-th of n equal blocks (cell k of N is its when k * n // N == i, see
+    `campaign.Campaign`), the fraction [i / n, (i + 1) / n) of it, whatever N is."""
+    (i, n), (j, m) = a, b
+    return i * m < (j + 1) * n and j * n < (i + 1) * m
 
 
 class RunLock:

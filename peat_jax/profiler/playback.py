@@ -181,8 +181,9 @@ def playback(run_dir: PathLike, substitution: Substitution, *, sites=None,
         A train state sharded over several devices replays one cell at a time on its own mesh
         (devices= with several devices is then an error).
 
-      host: `(index, count)`: this process replays only the cells whose ordinal in the grid is
-        `index` mod `count`, writing `results.p<index>-of-<count>.jsonl` (default: from
+      host: `(index, count)`: this process replays only its block of the grid (the cells whose
+        ordinal k of the grid's N satisfies k * count // N == index), writing
+        `results.p<index>-of-<count>.jsonl` (default: from
         `jax.process_index()` / `jax.process_count()`, so the same script started as N
         processes after `jax.distributed.initialize()` splits the grid; `peat playback
         --coordinator` does this, see `peat_jax.profiler.distributed`). The results of all
