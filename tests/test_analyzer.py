@@ -102,6 +102,7 @@ def test_single_flip_found_at_the_right_element_and_bit(dtype, bit, klass):
     assert s.errors.max_ulp == _ulp_np(c, g).max()
 
 
+@pytest.mark.slow
 def test_float64_noise_floor_passes_reduction_order_and_flags_bf16_inputs():
     a = jax.random.normal(jax.random.key(0), (16, 200))
     b = jax.random.normal(jax.random.key(1), (200, 32))

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 _PROBE = """
 import json, sys, jax, peat_jax as peat
 arg = sys.argv[1] if len(sys.argv) > 1 else None
@@ -25,6 +27,7 @@ def _probe(env_extra, *args, preset=None):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_cache_directory_choice_and_opt_out(tmp_path):
     xdg = tmp_path / "xdg"
     assert _probe({"XDG_CACHE_HOME": str(xdg)}) == {"got": str(xdg / "peat_jax" / "xla"),

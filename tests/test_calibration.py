@@ -219,6 +219,7 @@ def _assert_diagonal(rows):
     assert not wrong, "\n".join(wrong)
 
 
+@pytest.mark.slow
 def test_every_fault_is_diagnosed_as_its_own_model():
     rows = _run(CONFIGS)
     required = {"scale": {"factor": 2.0}, "stuck_at": {"bit": 1}}
@@ -289,6 +290,7 @@ def test_reduction_in_another_order_passes():
     _passes(check_kernel(sequential, ref, long, noise_factor=16, **opts))
 
 
+@pytest.mark.slow
 def test_pallas_layer_norm_interpret_passes():
     from jax.experimental.pallas.ops.gpu import layer_norm as pln
 
@@ -302,6 +304,7 @@ def test_pallas_layer_norm_interpret_passes():
     assert ["example", "grad[0]", "numerical_noise"] in d.evidence["checks"]
 
 
+@pytest.mark.slow
 def test_pallas_attention_interpret_passes():
     from jax.experimental.pallas.ops.gpu import attention as patt
 

@@ -48,6 +48,7 @@ def _bwd(res, g):
 wrong_bwd.defvjp(_fwd, _bwd)
 
 
+@pytest.mark.slow
 def test_exact_forward_with_wrong_backward_is_caught():
     d = check_kernel(wrong_bwd, ref, A, B, variants=("example",))
     assert not d.passed and d.model == "wrong_scale"
@@ -63,6 +64,7 @@ def blocked_scaled_forward(a, b):
     return blocked(a, b) * 1.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", [blocked, wrong_bwd, blocked_scaled_forward],
                          ids=lambda f: f.__name__)
 def test_a_jitted_candidate_is_judged_as_the_same_function_unjitted(kernel):
@@ -292,6 +294,7 @@ def test_mixed_precision_kernels_are_judged_against_float64():
     assert not bad.passed and bad.model == "low_precision_accumulation", bad.summary
 
 
+@pytest.mark.slow
 def test_a_new_reduction_length_compiles_no_new_statistics():
     """Two matmuls whose output and gradients share padded layouts but whose K differ (13, 21):
     the second check compiles no analyzer program (K only widens the detector's rounding
@@ -333,6 +336,7 @@ def test_nondeterministic_candidate():
     assert d.evidence["origin"]["output"] == "repeat forward"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inside", [None, jnp.float32])
 def test_float64_rules_need_a_candidate_that_computes_in_float64(inside):
     """tanh-GELU for the exact GELU: run in float64 it is still off, so it is an approximation;
@@ -473,6 +477,7 @@ def _pallas_mm():
     return jax.jit(lambda a, b: matmul(a, b, block_m=8, block_n=8, block_k=8))
 
 
+@pytest.mark.slow
 def test_the_paired_program_computes_what_each_shape_computes_alone():
     """Each half of the pair program is bitwise the program of that shape alone (forward,
     forward under vjp, gradients): pairing changes what is compiled, not what is computed."""
@@ -492,6 +497,7 @@ def test_the_paired_program_computes_what_each_shape_computes_alone():
             assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
 
 
+@pytest.mark.slow
 def test_a_small_check_builds_the_candidate_once_for_both_shapes(monkeypatch):
     """A jitted candidate checked on small inputs compiles one program for the example's shapes
     and the odd variant's (not one each), and the check's verdict and every check's model are
@@ -525,6 +531,7 @@ def test_pairing_still_skips_odd_shapes_the_candidate_rejects():
     assert "odd_shape" in d.evidence["skipped"], d.evidence
 
 
+@pytest.mark.slow
 def test_pairing_blames_a_fault_on_the_odd_variant_only():
     """A candidate wrong only at shapes that are not multiples of 8 (its two halves share one
     program) fails on odd_shape alone: tile_boundary, origin odd_shape."""
@@ -549,6 +556,7 @@ def _layer_norm(eps):
     return jax.jit(norm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows, n", [(16, 64), (5, 33)])
 @pytest.mark.parametrize("bias", [0.0, 0.3])
 def test_a_norm_with_another_eps_is_a_per_row_scale_whatever_its_bias(rows, n, bias):

@@ -66,6 +66,7 @@ def test_report_renders_in_headless_chromium(demo, tmp_path):
     assert shot.exists() and shot.stat().st_size > 20_000
 
 
+@pytest.mark.slow
 def test_check_fails_on_a_buggy_kernel_with_the_diagnosis():
     r = peat("check", "cli_kernels:wrong_scale_matmul", "--shapes", "16x8,8x4")
     assert r.returncode == 1
@@ -84,6 +85,7 @@ def test_check_sets_its_floor_from_float64_and_prints_the_summary_as_written():
     assert "conditioning_floor" in said and "dtype bound" not in said, said
 
 
+@pytest.mark.slow
 def test_check_json_is_one_object_on_stdout_whatever_the_kernel_prints():
     """A racy Pallas kernel: the interpreter's race report and the kernel's own print go to
     stderr; stdout holds the verdict alone."""
@@ -94,6 +96,7 @@ def test_check_json_is_one_object_on_stdout_whatever_the_kernel_prints():
     assert "RACE DETECTED" in r.stderr and "racy_matmul: tracing" in r.stderr
 
 
+@pytest.mark.slow
 def test_check_holds_the_kernel_to_the_reference_precision():
     r = peat("check", "cli_kernels:tf32_matmul", "--shapes", "16x64,64x8", "--json")
     assert r.returncode == 1, r.stderr[-2000:]
@@ -106,6 +109,7 @@ def test_check_holds_the_kernel_to_the_reference_precision():
         "default"
 
 
+@pytest.mark.slow
 def test_check_runs_a_bundled_region_kernel_against_its_reference():
     r = peat("check", "pallas_softmax", "--shapes", "19x24", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -157,6 +161,7 @@ def test_bad_arguments_give_one_line_error_and_no_traceback(args, needle):
     assert len([ln for ln in r.stderr.splitlines() if ln.startswith("peat")]) >= 1
 
 
+@pytest.mark.slow
 def test_sites_json_lists_the_default_workload_sites():
     r = peat("sites", "vision", "--json", "--primitive", "dot_general")
     assert r.returncode == 0, r.stderr

@@ -29,6 +29,7 @@ def check_json(capsys, *argv: str):
     return rc, json.loads(out)
 
 
+@pytest.mark.slow
 def test_a_softmax_port_passes_against_jax_nn_softmax(capsys):
     rc, d = check_json(capsys, "cli_kernels:softmax", "--reference", "jax.nn.softmax",
                        "--shapes", "4x8", "--variants", "example,large,odd_shape")
@@ -49,6 +50,7 @@ def test_a_buggy_port_fails_on_every_seed_with_its_model_named(capsys):
     assert d["seed"] == 0 and "1.01x" in d["summary"]
 
 
+@pytest.mark.slow
 def test_attention_against_dot_product_attention_with_kwargs_from_config(capsys):
     """`--reference jax.nn.dot_product_attention` is the reference (not a prefix of
     --reference-precision); --config's is_causal reaches both: the port with the mask passes,

@@ -44,6 +44,7 @@ def test_a_narrow_input_is_perturbed_at_the_finer_output_format(mantissa_bits, b
     assert rel.max() > 2.0 ** -(bound_bits + 2)      # and uses most of that range
 
 
+@pytest.mark.slow
 def test_conditioning_floor_passes_what_the_problem_allows_and_says_so():
     g = _normal((64, 48))
     r = np.asarray(g, np.float64)
@@ -74,6 +75,7 @@ def _flipped(x, at, bits):
     return c
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [(0,), (1,), (0, 1)])
 def test_low_bits_differing_at_an_outlier_are_not_a_bit_flip(bits):
     """An isolated difference of 1 to 3 ULPs in the lowest bits, beyond an (artificially tight)
@@ -220,6 +222,7 @@ def test_bundled_pallas_attention_passes_outliers_for_every_seed(seed):
     assert d.passed, d.summary
 
 
+@pytest.mark.slow
 def test_bundled_pallas_attention_backward_saturated_softmax():
     """q, k ~ 4e9 (the 'large' variant): the softmax is one-hot and dq, dk are exactly 0 in
     float64 under any 1-ULP perturbation; FlashAttention's rowsum(dO * O) made them ~1e13."""
@@ -253,6 +256,7 @@ def _one_pass_layer_norm(x, scale, bias, eps=1e-6):
     return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
 
 
+@pytest.mark.slow
 def test_one_pass_variance_fails_on_a_large_mean():
     x = 1e4 + _normal((32, 64))
     scale, bias = _normal((64,), 1), _normal((64,), 2)
@@ -272,6 +276,7 @@ def test_softmax_without_max_subtraction_fails_on_large_inputs():
     assert not d.passed, d.summary
 
 
+@pytest.mark.slow
 def test_scaled_matmul_fails():
     a, b = _normal((16, 12)), _normal((12, 8), 1)
     d = peat.check_kernel(lambda x, y: (x @ y) * 1.001, jnp.dot, a, b, variants="example",

@@ -49,6 +49,7 @@ def _tanh_reference(x, w):
     return _noisy_sum(jnp.tanh(x @ w)[..., None] * jnp.ones(4, x.dtype))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(33, 20, 5)])
 def test_check_kernel_does_not_blame_a_correct_candidate_for_a_nondeterministic_reference(shape):
     m, k, n = shape
@@ -104,6 +105,7 @@ def _mlp_workload():
     return peat.Workload("noisy_mlp", init, train_step, batch)
 
 
+@pytest.mark.slow
 def test_playback_reports_a_nondeterministic_reference_and_does_not_blame_the_candidate(tmp_path):
     wl = _mlp_workload()
     profile(wl, tmp_path / "run", steps=6, checkpoint_every=3)

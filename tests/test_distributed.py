@@ -193,6 +193,7 @@ distributed.finish()
 """
 
 
+@pytest.mark.slow
 def test_every_process_writes_its_programs_to_the_persistent_cache(tmp_path):
     """jax writes cache entries from process 0 only, and on CPU a key names the process's
     device: without peat's rule, process 1 compiled its programs afresh in every run."""

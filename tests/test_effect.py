@@ -78,6 +78,7 @@ def _split_k(a, b, **params):
     return jax.lax.dot_general(a1, b1, **params) + jax.lax.dot_general(a2, b2, **params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["exact", "split_k"])
 def test_correct_kernels_are_masked_everywhere(mlp_run, kernel):
     _, wl, path = mlp_run

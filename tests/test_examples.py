@@ -19,6 +19,7 @@ def _run(name: str, *args: str, timeout: int = 300) -> str:
     return out.stdout
 
 
+@pytest.mark.slow
 def test_sites_and_substitution():
     out = _run("sites_and_substitution.py")
     assert "[LayerNorm] @ MLP/LayerNorm_0" in out and "(1 compile for the sweep)" in out

@@ -146,6 +146,7 @@ def _passes(candidate, golden) -> bool:
 
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_flax_attention_layer_is_a_site_and_a_kernel_replaces_it_forward_and_backward():
     state, batch = _init(jax.random.key(0)), _data(0)
     sites = peat.list_sites(_train_step, state, batch, regions=(FLAX_DPA,))
@@ -199,6 +200,7 @@ def test_a_function_a_module_imported_by_name_is_intercepted_there_too():
     assert flax_attention.dot_product_attention_weights is ORIGINAL_WEIGHTS
 
 
+@pytest.mark.slow
 def test_an_optax_loss_is_replaced_forward_and_backward():
     params, batch = _init(jax.random.key(0))[0], _data(0)
     xent = peat.Kernel("xent_x1.01", lambda logits, labels, axis=-1, where=None: 1.01 * -(
@@ -265,6 +267,7 @@ def test_a_name_that_does_not_resolve_is_a_one_line_error(name, needle):
         peat.substitute(library_attention, {DPA: dpa_kernel})(*_wx())
 
 
+@pytest.mark.slow
 def test_the_shell_lists_the_site_and_plays_back_a_kernel_named_mod_attr(tmp_path, capsys):
     assert cli.main(["sites", "test_intercept:make_workload", "--intercept", FLAX_DPA,
                      "--json"]) == 0

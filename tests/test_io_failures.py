@@ -116,6 +116,7 @@ def _fail_second_record(monkeypatch, code=errno.ENOSPC, text="No space left on d
     monkeypatch.setattr(Campaign, "record", record)
 
 
+@pytest.mark.slow
 def test_full_disk_in_a_campaign_keeps_its_finished_cells_and_the_rerun_completes(own_run,
                                                                                   monkeypatch):
     _fail_second_record(monkeypatch)

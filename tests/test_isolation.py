@@ -51,6 +51,7 @@ def _by_site(res):
     return {r["site"]: r for r in res.records()}
 
 
+@pytest.mark.slow
 def test_failing_candidates_are_isolated_per_cell_and_counted(run):
     res = playback(run, {"dot_general": peat.Kernel("broken", _broken)}, checkpoints=[20],
                    name="broken")
@@ -76,6 +77,7 @@ def test_failing_candidates_are_isolated_per_cell_and_counted(run):
     assert len(lines) == 6
 
 
+@pytest.mark.slow
 def test_a_cell_past_its_time_limit_is_recorded_and_the_rerun_goes_on(run):
     def slow(a, b, **params):
         out = jax.lax.dot_general(a, b, **params)
@@ -102,6 +104,7 @@ def test_a_cell_past_its_time_limit_is_recorded_and_the_rerun_goes_on(run):
     assert len(path.read_text().splitlines()) == 6
 
 
+@pytest.mark.slow
 def test_a_kernel_past_the_time_limit_in_its_float64_run_stops_the_campaign(run):
     """A failing cell is judged again with the kernel run in float64: that run is the
     candidate's code too, held to the same time limit. Its cell keeps the verdict against the

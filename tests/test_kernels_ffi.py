@@ -38,6 +38,7 @@ def _rel_err(got, ref) -> float:
     return float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
 
 
+@pytest.mark.slow
 def test_library_is_built_from_source_and_cached(kernel, cache_dir):
     libs = sorted(cache_dir.glob("libnaive_matmul-*.so"))
     assert len(libs) == 1  # built by this run (the fixture's fresh directory)
@@ -156,6 +157,7 @@ class _Runs:
         return [c for c in self.cmds if "-o" in c]
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_bundled_cuda_source_compiles_with_nvcc_and_is_cached(cache_dir, monkeypatch):
     runs = _Runs(monkeypatch)
@@ -265,6 +267,7 @@ def _exported(lib) -> set[str]:
     return {line.split()[-1] for line in out.splitlines() if line.strip()}
 
 
+@pytest.mark.slow
 @needs_hipcc
 def test_bundled_hip_source_compiles_for_gfx90a_and_is_cached(cache_dir, monkeypatch):
     runs = _Runs(monkeypatch)
@@ -403,6 +406,7 @@ def _check_matmul(kernel, variants=None):
                              variants=variants)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tile_bug", [False, True], ids=["correct", "tile_bug"])
 def test_seeded_tile_bug_is_named_by_the_detector(cache_dir, tile_bug):
     """The C++ build holds the same seeded bug as the CUDA one (rows of the last partial 16-row

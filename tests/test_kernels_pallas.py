@@ -142,6 +142,7 @@ ATTENTION = {
 
 # causal on a ragged length in every dtype; non-causal on a divisible and a ragged
 # cross-attention shape in float32
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,dtype", _cases(
     *[("ragged", d) for d in DTYPES], ("divisible", jnp.float32), ("ragged_cross", jnp.float32)))
 def test_pallas_attention_matches_flax_dot_product_attention(shape, dtype):
@@ -156,6 +157,7 @@ def test_pallas_attention_matches_flax_dot_product_attention(shape, dtype):
 
 # jax's shipped kernels in float32 and bfloat16 here; float16 is measured by
 # benchmarks/bench_kernels.py
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=_dt)
 def test_jax_pallas_mha_matches_flax_dot_product_attention(dtype):
     q, k, v = (_normal(i, (1, 32, 2, 12), dtype) for i in range(3))

@@ -220,6 +220,7 @@ def test_strip_markdown():
 
 # ---------------------------------------------------------------------------- state and steps
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_state_layout_and_tree_round_trip(name, trained):
     wl, state0, _, state = trained(name)

@@ -79,6 +79,7 @@ def test_a_bad_precision_is_an_error_listing_the_accepted_ones(bad):
 # check_kernel traces the reference at its precision; the candidate runs as written
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision, seen", [("highest", "highest"), ("default", "default"),
                                              (jax.lax.Precision.HIGH, "high")])
 def test_the_reference_is_traced_at_the_reference_precision(precision, seen):
@@ -103,6 +104,7 @@ def test_the_reference_is_traced_at_the_reference_precision(precision, seen):
     assert cand_saw == {None}, "the candidate runs as written"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shapes", SHAPES)
 def test_a_tf32_candidate_is_reduced_precision_against_the_highest_reference(shapes):
     a, b = _operands(shapes)
@@ -120,6 +122,7 @@ def test_a_tf32_candidate_is_reduced_precision_against_the_highest_reference(sha
     assert d.evidence["max_floor_ratio"] > 100
 
 
+@pytest.mark.slow
 def test_every_variant_of_a_tf32_candidate_is_put_down_to_tf32():
     """On the "outliers" inputs one outlier rounded to TF32 shifts every output it dominates by
     one factor (the rules alone: wrong_scale); the reference fed TF32 inputs errs as much, so
@@ -157,6 +160,7 @@ def test_a_format_is_named_only_where_its_rounding_reproduces_the_errors(mode):
     assert "tf32" not in d.summary.split(" [")[0] or "does not reproduce" in d.summary
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shapes", SHAPES)
 def test_a_tf32_candidate_passes_against_a_default_precision_reference(shapes):
     """Against the reference a GPU computes at precision "default" (TF32: emulated here by a
@@ -169,6 +173,7 @@ def test_a_tf32_candidate_passes_against_a_default_precision_reference(shapes):
     assert d.evidence["reference_precision"] == "default"
 
 
+@pytest.mark.slow
 def test_the_tf32_fault_is_named_with_its_format_and_gradients_too():
     a, b = _operands(SHAPES[0], seed=3)
     fault = peat.faults.truncate("tf32")
@@ -198,6 +203,7 @@ def test_narrow_formats_are_told_apart_by_mantissa_and_range():
     assert NARROW_FORMATS["tf32"].mantissa_bits == NARROW_FORMATS["fp16"].mantissa_bits == 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, where, expected", [
     ("bf16", "inputs", "inputs rounded to bf16"),
     ("tf32", "output", "output rounded to tf32/fp16-like, 10 mantissa bits")])
@@ -212,6 +218,7 @@ def test_detect_names_the_format(fmt, where, expected):
     assert narrowed(d, ["tf32"]).summary == d.summary.replace("tf32/fp16-like", "tf32")
 
 
+@pytest.mark.slow
 def test_large_values_rule_float16_out_in_the_detector():
     a, b = _operands(SHAPES[0], seed=7)
     a, b = a * 2.0 ** 12, b * 2.0 ** 12          # outputs ~1e8: float16 cannot hold them
@@ -255,6 +262,7 @@ def recording_workload(seen: list) -> peat.Workload:
     return peat.Workload("precision_recorder", init, train_step, batch)
 
 
+@pytest.mark.slow
 def test_a_golden_run_trains_and_replays_at_its_precision(tmp_path):
     seen: list = []
     wl = recording_workload(seen)
@@ -332,6 +340,7 @@ def test_pallas_kernels_dot_at_full_float32_by_default():
     assert _dot_precisions(lambda q: attention(q, q, q, precision="high"), q) == {"HIGH"}
 
 
+@pytest.mark.slow
 def test_pallas_matmul_passes_against_the_highest_reference():
     a, b = _operands(((40, 24), (24, 20)), seed=9)
     kernel = peat.kernels.pallas_matmul(16, 16, 16)

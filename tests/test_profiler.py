@@ -38,6 +38,7 @@ def test_profile_writes_manifest_checkpoints_and_metrics(golden, vision):
     assert set(g.eval) >= {"loss", "accuracy"}
 
 
+@pytest.mark.slow
 def test_golden_run_is_bitwise_reproducible_and_resumes(golden, vision, tmp_path):
     g, _ = golden
     again = profile(vision, tmp_path / "a", steps=30, checkpoint_every=10)

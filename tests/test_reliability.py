@@ -276,6 +276,7 @@ def _damage(run: pathlib.Path, how: str, step: int = 2) -> None:
         f.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncated", "bit_flipped", "metadata_overwritten"])
 def test_damaged_checkpoint_is_an_error_naming_it_and_nothing_is_overwritten(golden, tmp_path, how):
     _, full = golden
@@ -317,6 +318,7 @@ def test_campaign_on_a_run_with_a_damaged_checkpoint_goes_on_with_the_others(gol
     assert len(lines) == 4  # checkpoint 0's cells were not computed twice
 
 
+@pytest.mark.slow
 def test_cli_on_a_damaged_checkpoint_prints_the_error_and_no_tracebacks(golden, tmp_path):
     # Orbax leaves the reads of the other arrays pending when one fails; finalised at exit,
     # each used to print an "Exception ignored in: <coroutine ...>" traceback
@@ -498,6 +500,7 @@ def _cli_cases(run: pathlib.Path, scratch: pathlib.Path) -> list[tuple[list[str]
     ]
 
 
+@pytest.mark.slow
 def test_cli_bad_arguments_exit_2_with_one_error_line(golden, tmp_path):
     _, run = golden
     cases = _cli_cases(run, tmp_path)
@@ -626,6 +629,7 @@ _SENTINEL_DRIVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_cli_imports_user_code_only_when_named_as_module_attribute(tmp_path):
     # modules that shadow bundled names, in the directory the user runs `peat` from
     for name in ("vision", "pallas_matmul"):

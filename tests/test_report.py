@@ -25,6 +25,7 @@ def run(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_user_strings_are_escaped(run):
     evil = "<script>alert(1)</script>"
     peat.playback(run, {"fwd:dot_general": _doubling(evil)}, checkpoints=[3], name="evil")

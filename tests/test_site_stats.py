@@ -52,6 +52,7 @@ def _bwd_gemm(wl) -> peat.Site:
     return [s for s in sites if s.primitive == "dot_general" and s.phase == "bwd"][1]
 
 
+@pytest.mark.slow
 def test_stats_leave_the_trajectory_bitwise_unchanged(runs):
     plain, ref = RunDir(runs["plain"]), RunDir(runs["ref"])
     assert plain.golden_losses() == ref.golden_losses()

@@ -22,6 +22,7 @@ def _leaves_changed(a, b) -> list[str]:
 # ------------------------------------------------------------------ identity
 
 
+@pytest.mark.slow
 def test_empty_substitution_is_bitwise_identical_linen_train_step(linen_train, mlp_data):
     step, state = linen_train
     batch = mlp_data
@@ -53,6 +54,7 @@ def test_identity_and_backward_fault_in_every_framework(mlp_variants, mlp_data, 
                                atol=1e-6 * float(np.abs(w_ref[0]).max()))
 
 
+@pytest.mark.slow
 def test_empty_substitution_is_bitwise_identical_scan_remat_transformer(gpt):
     loss, params, tokens = gpt
     vg = jax.value_and_grad(loss)
@@ -60,6 +62,7 @@ def test_empty_substitution_is_bitwise_identical_scan_remat_transformer(gpt):
                          jax.jit(peat.substitute(vg, {}))(params, tokens))
 
 
+@pytest.mark.slow
 def test_empty_substitution_with_regions_matches_the_program_with_regions(gpt):
     loss, params, tokens = gpt
     vg = jax.value_and_grad(loss)
@@ -248,6 +251,7 @@ def test_switched_sweep_compiles_once_and_matches_static_substitution(linen_mlp,
     assert sw._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_switched_sweep_over_transformer_one_compile(gpt):
     loss, params, tokens = gpt
     vg = jax.value_and_grad(loss)
@@ -261,6 +265,7 @@ def test_switched_sweep_over_transformer_one_compile(gpt):
     assert sw._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_flax_attention_region_outside_scan_can_be_replaced():
     class Attn(nn.Module):
         @nn.compact

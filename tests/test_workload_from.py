@@ -56,6 +56,7 @@ def _dot_sites(wl, state, step=0):
             if s.primitive == "dot_general"]
 
 
+@pytest.mark.slow
 def test_plain_jax_mlp_with_a_data_function_profiles_replays_plays_back_and_injects(tmp_path):
     wl = peat.workload_from(mlp_loss, mlp_init, optax.adamw(1e-2), regression_data,
                             name="wf_mlp", has_aux=True, config={"width": 16})
@@ -119,6 +120,7 @@ def test_flax_linen_model_with_stacked_batches_and_dropout_replays_bitwise(tmp_p
     assert set(g.eval) == {"loss"} and np.isfinite(g.eval["loss"])
 
 
+@pytest.mark.slow
 def test_flax_nnx_and_equinox_models_replay_bitwise(tmp_path):
     import equinox as eqx
     from flax import nnx
