@@ -83,7 +83,7 @@ class Loop(NamedTuple):
 def clean_path(name_stack: str) -> str:
     """Module path from a name stack: transforms stripped (`transpose(jvp(MLP))/head` ->
     `MLP/head`)."""
-    parts = []
+    parts: list[str] = []
     for comp in name_stack.split("/"):
         m = _TRANSFORM_RE.match(comp)
         comp = m.group(1) if m else comp
@@ -286,7 +286,7 @@ def _rebuild(ctx: _Ctx, eqn, invals, base, stack, containers, sides) -> list:
         rm = _jax.remat_layout(eqn)
         j = rm.jaxpr
 
-        def fn(*a):
+        def fn(*a) -> tuple[list, dict]:
             inner_sides: dict = {}
             return run(j, base, a, inner_sides), inner_sides
 
@@ -299,7 +299,7 @@ def _rebuild(ctx: _Ctx, eqn, invals, base, stack, containers, sides) -> list:
         j, nc, nk = sc.jaxpr, sc.num_consts, sc.num_carry
         consts, init, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
 
-        def body(carry, x):
+        def body(carry, x) -> tuple[list, tuple[list, dict]]:
             inner_sides: dict = {}
             outs = run(j, base, list(consts) + list(carry) + list(x), inner_sides)
             return outs[:nk], (outs[nk:], inner_sides)
@@ -312,7 +312,7 @@ def _rebuild(ctx: _Ctx, eqn, invals, base, stack, containers, sides) -> list:
     if name == "shard_map":
         sm = _jax.shard_map_layout(eqn)
 
-        def per_shard(*a):
+        def per_shard(*a) -> tuple[tuple, dict]:
             inner_sides: dict = {}
             outs = run(sm.jaxpr, base, a, inner_sides)
             return tuple(outs), jax.tree.map(lambda x: x[None], inner_sides)

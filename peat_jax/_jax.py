@@ -440,7 +440,7 @@ def cache_writes_from_every_process() -> None:
             warnings.warn(f"Error writing persistent compilation cache entry for "
                           f"'{module_name}': {type(e).__name__}: {e}")
 
-    write._peat_every_process = True
+    setattr(write, "_peat_every_process", True)  # patched once (the getattr above)
     compiler._cache_write = write
 
 

@@ -27,7 +27,8 @@ def enable_compilation_cache(path: Optional[str] = None) -> Optional[str]:
       configured `jax_compilation_cache_dir` (which is then left as it is).
     """
     env = os.environ.get("PEAT_CACHE_DIR")
-    if env == "off" or jax.config.jax_compilation_cache_dir:
+    # jax.config's flags are attributes set at runtime: mypy cannot see them
+    if env == "off" or jax.config.jax_compilation_cache_dir:  # type: ignore[attr-defined]
         return None
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     path = path or env or os.path.join(base, "peat_jax", "xla")

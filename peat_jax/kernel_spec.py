@@ -77,6 +77,9 @@ def _load_file(path_text: str, what: str, spec: str) -> types.ModuleType:
     digest = hashlib.sha1(str(real).encode()).hexdigest()[:10]
     name = f"_peat_file_{real.stem}_{digest}"
     loader_spec = importlib.util.spec_from_file_location(name, real)
+    if loader_spec is None or loader_spec.loader is None:  # a .py name linked to another file
+        raise PeatError(f"cannot load {path_text!r} for {what} {spec!r} as a Python module; "
+                        "give a path/to/file.py:NAME")
     module = importlib.util.module_from_spec(loader_spec)
     # its directory on the path, as `python file.py` would have it: sibling imports work
     if str(real.parent) not in sys.path:

@@ -143,9 +143,9 @@ def _devices_for(platforms: Sequence[str], devices: Devices) -> list[tuple[str, 
         for p in platforms:
             table.setdefault(p, tuple(DEFAULT_DEVICES[p]))
     else:
-        kinds = [devices] if isinstance(devices, str) else list(devices)
+        given = [devices] if isinstance(devices, str) else list(devices)
         table = {p: () for p in platforms}
-        for kind in kinds:
+        for kind in given:
             p = _platform_of(str(kind))
             if p not in table:
                 raise PeatError(f"device {kind!r} is a {p} GPU, but platforms= is "
@@ -242,8 +242,8 @@ _GENERIC_NAMES = frozenset({"<lambda>", "wrapped", "fresh"})
 def _lower_one(fn: Callable, specs: tuple, name: str, platform: str, device: str,
                phase: str) -> Lowering:
     t0 = time.perf_counter()
-    result = dict(name=name, platform=platform, device=device, phase=phase,
-                  device_used=_jax.target_device_matters())
+    result: dict[str, Any] = dict(name=name, platform=platform, device=device, phase=phase,
+                                  device_used=_jax.target_device_matters())
 
     def fresh(*a):       # a new function object: no trace of an earlier jit of `fn` is reused
         return fn(*a)

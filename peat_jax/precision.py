@@ -57,7 +57,8 @@ def current_matmul_precision() -> Optional[str]:
     """jax's matmul precision in force (`jax_default_matmul_precision`, as set by the config,
     the environment or an enclosing `jax.default_matmul_precision`), canonicalised where it is a
     legacy name (an algorithm preset is returned as it is); None when unset."""
-    value = jax.config.jax_default_matmul_precision
+    # jax.config's flags are attributes set at runtime: mypy cannot see them
+    value = jax.config.jax_default_matmul_precision  # type: ignore[attr-defined]
     if value is None:
         return None
     return MATMUL_PRECISIONS.get(str(value).lower(), str(value))
@@ -68,7 +69,8 @@ def with_callers_precision(fn: Callable[[], Any]) -> Callable[[], Any]:
     """`fn`, to be run in another thread, wrapped to run at the matmul precision in force in
     the calling thread (jax's settings are per thread: a jitted function called from a thread
     without it would be traced and compiled again at the default)."""
-    value = jax.config.jax_default_matmul_precision
+    # jax.config's flags are attributes set at runtime: mypy cannot see them
+    value = jax.config.jax_default_matmul_precision  # type: ignore[attr-defined]
 
     def run():
         if value is None:

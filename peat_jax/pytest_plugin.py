@@ -14,7 +14,7 @@ the call win over the command line.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import pytest
 
@@ -38,7 +38,7 @@ class PeatCheck:
     diagnosis made in the test."""
 
     def __init__(self, variants: Optional[Sequence[str]], backward: bool):
-        self._defaults = {}
+        self._defaults: dict[str, Any] = {}
         if variants is not None:
             self._defaults["variants"] = tuple(variants)
         if not backward:

@@ -21,7 +21,7 @@ import inspect
 import sys
 import threading
 import types
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from peat_jax import _jax
 from peat_jax._region_registry import (RegionInfo, call_name, is_region_name, region_info,
                                        register)
 from peat_jax.errors import PeatError
+
+if TYPE_CHECKING:
+    from peat_jax.kernels import Kernel
 
 __all__ = ["FunctionCall", "RegionInfo", "Target", "active_key", "check_regions", "flax_regions",
            "intercept", "module_types", "region", "region_info", "resolve_name", "tracing"]
@@ -363,6 +366,7 @@ _PATCHES: dict[int, _Patch] = {}
 
 @contextlib.contextmanager
 def _patched(t: Target):
+    assert t.fn is not None  # intercept patches the targets that name a function only
     with _PATCH_LOCK:
         p = _PATCHES.get(id(t.fn))
         if p is None:
@@ -390,7 +394,7 @@ def _interposer(fn: Callable) -> Callable:
         functools.update_wrapper(interposed, fn)  # name, doc, and the signature (__wrapped__)
     except (AttributeError, TypeError):
         pass
-    interposed._peat_original = fn
+    setattr(interposed, "_peat_original", fn)  # what resolve_name unwraps
     return interposed
 
 
@@ -439,7 +443,9 @@ def _function_region(name: str, fn: Callable, args: tuple, kwargs: dict):
     call = FunctionCall(name, fn, leaves, tree, dyn, (fn, tree, dyn, statics, active_key()))
     rid = _register(name, call, jax.tree.structure(tuple(operands)),
                     tuple(jax.typeof(x) for x in operands), function=call)
-    return region_info(rid).fwd(*operands)
+    fwd = region_info(rid).fwd
+    assert fwd is not None  # set by _register's build
+    return fwd(*operands)
 
 
 @functools.lru_cache(maxsize=512)
@@ -599,17 +605,17 @@ class FunctionCall:
         shown = ", ".join(f"{n}={_show(split[1][n])}" for n in extra)
         return f"the call passes {shown}, which its impl does not take"
 
-    def call_kernel(self, kernel: Callable, operands: Sequence[Any]):
+    def call_kernel(self, kernel: Kernel, operands: Sequence[Any]):
         """`kernel` (a `peat.Kernel`) called as the library function is, on these operands."""
         pos, kw = self.kernel_args(getattr(kernel, "impl", kernel), operands)
         return kernel(*pos, **kw)
 
-    def kernel_vjp(self, kernel: Callable, operands: Sequence[Any], cotangent) -> list:
+    def kernel_vjp(self, kernel: Kernel, operands: Sequence[Any], cotangent) -> list:
         """The cotangents of the operands under `cotangent` through `kernel`'s call (float0
         zeros for the non-float ones). A kernel with its own `vjp=` differentiates its
         positional operands; its keyword arrays (a mask, a bias) get zero cotangents."""
         operands = list(operands)
-        wrt = range(len(operands))
+        wrt: Sequence[int] = range(len(operands))
         if getattr(kernel, "vjp", None) is not None:
             pos, _ = self.kernel_args(kernel.impl, [_Slot(i) for i in range(len(operands))])
             wrt = [x.i for x in pos if isinstance(x, _Slot)]

@@ -123,7 +123,7 @@ def step_fault_key(step) -> Callable[[Site, Fault], jax.Array]:
 
 
 def inject(train_step: Callable, substitution: Substitution, schedule: Schedule, *,
-           primitives=None, regions: Sequence[Any] = ()) -> Callable:
+           primitives=None, regions: Sequence[Any] = ()) -> Substituted:
     """`step_fn(state, batch, step)`: `train_step` with the candidate active on scheduled steps.
 
     The schedule is evaluated on `step` (a traced int is fine), so a jitted `step_fn` compiles

@@ -297,7 +297,10 @@ def run_rules(traced: Traced, rules: Mapping[int, Any], args, kwargs, *,
 class Substituted:
     """`fn` with a substitution; traced per argument structure, then re-evaluated."""
 
-    def __init__(self, fn, substitution, *, primitives=None, regions=(), mode="static"):
+    __call__: Callable[..., Any]  # each subclass's own signature (fn's; a site index first, ...)
+
+    def __init__(self, fn, substitution, *, primitives=None, regions=(),
+                 mode="static") -> None:
         if not isinstance(substitution, Mapping):
             raise PeatError("a substitution is a mapping {selector: peat.Kernel or fault}, got "
                             f"{type(substitution).__name__}")
@@ -355,7 +358,7 @@ class _Switched(Substituted):
 
 
 def substitute(fn: Callable, substitution: Substitution, *, primitives=None,
-               regions: Sequence[Any] = ()) -> Callable:
+               regions: Sequence[Any] = ()) -> Substituted:
     """`fn` with the op at each selected site computed by a candidate instead.
 
     Args:

@@ -73,7 +73,8 @@ def analyze(candidate, golden, reference64=None, *, reduction_length: Optional[i
                         "the float64 reference")
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(candidate)
     g_leaves, g_def = jax.tree_util.tree_flatten(golden)
-    if g_def != treedef:
+    # jaxlib ships no stubs: mypy cannot see PyTreeDef's __eq__
+    if g_def != treedef:  # type: ignore[operator]
         raise PeatError(f"candidate and golden have different structures: {treedef} vs {g_def}")
     r_leaves = _leaves_like("reference64", reference64, g_def, len(g_leaves))
     k_leaves = _leaves_like("conditioning", conditioning, g_def, len(g_leaves))

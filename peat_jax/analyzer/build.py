@@ -259,7 +259,7 @@ def nonfloat_signature(path: str, shape, dtype: str, comparison: str, n_mis: int
         floor_ratio_quantiles={}, ulp_histogram=(), bias_mean=0.0, bias_std_error=0.0,
         bias_t=0.0, error_slope=float("nan"), geo_mean_rel_significant=0.0,
         large_rel_significant=0.0, sample_size=n, sampled=False)
-    worst = ()
+    worst: tuple[WorstElement, ...] = ()
     if first is not None:
         c, g, index = first
         worst = (WorstElement(index=index, candidate=c, golden=g, candidate_bits=0,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -143,7 +144,8 @@ def shape_program(c, g, r, options: Options, k=None, extent=None):
     worst, struct = structure(c, g, r, s, options, f, whole.significant, rel_tol,
                               row_cnt)
     stats = LeafStats(
-        whole=whole, sample=None, worst=worst, structure=struct,
+        # the sample's statistics come from sample_program: leaf_stats puts them here
+        whole=whole, sample=cast(SampleStats, None), worst=worst, structure=struct,
         permutation=permutation(c, g, r, s, options, f, whole.significant),
         scales=LeafScales(rms=s.rms, abs_floor=s.abs_floor, rel_tol=rel_tol,
                           golden_max_abs_error=s.E, golden_max_ulp_error=s.U),

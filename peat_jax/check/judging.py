@@ -259,7 +259,8 @@ def repeat_checks(pool: ThreadPoolExecutor, candidate, run: Run, repeats: int,
 def _submit(pool: ThreadPoolExecutor, fn: Callable, *args, **kwargs) -> Future:
     """`fn(*args, **kwargs)` on `pool`, under the caller's x64 setting (a ``jax.enable_x64``
     context is the calling thread's only)."""
-    x64 = bool(jax.config.jax_enable_x64)
+    # jax.config's flags are attributes set at runtime: mypy cannot see them
+    x64 = bool(jax.config.jax_enable_x64)  # type: ignore[attr-defined]
 
     def under_callers_x64():
         with jax.enable_x64(x64):
@@ -325,7 +326,8 @@ class FormatOutputs:
     (variant, format, rounding mode) and shared by the checks that read them."""
 
     def __init__(self, reference: Callable):
-        self.reference, self._kept = reference, {}
+        self.reference = reference
+        self._kept: dict[tuple[str, str, str], dict[str, Any]] = {}
 
     def __call__(self, run: Run, fmt: str, mode: str = "nearest") -> dict[str, Any]:
         key = (run.variant, fmt, mode)

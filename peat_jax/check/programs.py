@@ -34,10 +34,9 @@ def differentiated_positions(args: tuple, backward: Union[bool, Sequence[int]]) 
     floats = _float_positions(args)
     if isinstance(backward, (bool, np.bool_)):
         return floats if backward else ()
-    if isinstance(backward, (int, np.integer)):
-        backward = (backward,)
+    positions = (backward,) if isinstance(backward, (int, np.integer)) else backward
     try:
-        wanted = tuple(int(i) for i in backward)
+        wanted = tuple(int(i) for i in positions)
     except (TypeError, ValueError):
         raise PeatError(f"backward must be True, False or a sequence of argument positions, got "
                         f"{backward!r}") from None
@@ -276,7 +275,8 @@ def named_outputs(o: Outputs, positions: Sequence[int],
 def bitwise_same(a, b) -> bool:
     la, ta = jax.tree_util.tree_flatten(a)
     lb, tb = jax.tree_util.tree_flatten(b)
-    return ta == tb and all(
+    # jaxlib ships no stubs: mypy cannot see PyTreeDef's __eq__
+    return ta == tb and all(  # type: ignore[operator]
         np.shape(x) == np.shape(y) and host_array(x).dtype == host_array(y).dtype
         and host_array(x).tobytes() == host_array(y).tobytes() for x, y in zip(la, lb))
 
@@ -302,6 +302,7 @@ def same_structure(a, b, dtypes: bool = False) -> bool:
     both)."""
     la, ta = jax.tree_util.tree_flatten(a)
     lb, tb = jax.tree_util.tree_flatten(b)
-    return ta == tb and all(np.shape(x) == np.shape(y) and
+    # jaxlib ships no stubs: mypy cannot see PyTreeDef's __eq__
+    return ta == tb and all(np.shape(x) == np.shape(y) and  # type: ignore[operator]
                             (not dtypes or jnp.result_type(x) == jnp.result_type(y))
                             for x, y in zip(la, lb))

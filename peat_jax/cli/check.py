@@ -68,11 +68,12 @@ def cmd_check(args) -> int:
     elif args.kernel in KERNELS:
         kernel = KERNELS[args.kernel]()
     elif ":" in args.kernel or "." in args.kernel:
-        kernel = kernel_spec.as_function(kernel_spec.load(args.kernel, "kernel"), args.kernel)
-        if not isinstance(kernel, peat.Kernel):
+        loaded = kernel_spec.as_function(kernel_spec.load(args.kernel, "kernel"), args.kernel)
+        if not isinstance(loaded, peat.Kernel):
             raise PeatError(f"{args.kernel!r} is a function, not a dot_general peat.Kernel: give "
                             f"--reference REF to check it against (REF as "
                             f"{kernel_spec.SPEC_FORMS})")
+        kernel = loaded
     else:
         raise PeatError(f"unknown kernel {args.kernel!r}; bundled kernels: "
                         f"{', '.join([*KERNELS, *REGION_KERNELS])}; or check any function with "
@@ -125,6 +126,7 @@ def cmd_check(args) -> int:
 def check_any(args) -> int:
     """`peat check KERNEL --reference REF`: any function against any reference, on operands
     drawn from --shapes/--dtypes (or given by a --config spec), kwargs from --config."""
+    fn: Callable[..., Any]
     if args.kernel in REGION_KERNELS:
         fn = REGION_KERNELS[args.kernel][0]()
     elif args.kernel in KERNELS:
@@ -162,6 +164,7 @@ def check_any(args) -> int:
                                     f"{seed} (it did for seed {first}); return them every time")
                 drawn[seed] = got.args
             else:
+                assert dtypes is not None  # parsed together with shapes
                 drawn[seed] = tuple(jax.device_put(x) for x in
                                     kernel_spec.draw_args(shapes, dtypes, seed, args.int_bound))
         return drawn[seed]

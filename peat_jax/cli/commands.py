@@ -4,12 +4,12 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import numpy as np
 import peat_jax as peat
-from peat_jax import models
+import peat_jax.models as models
 from peat_jax.cli.inputs import (
     batch_at,
     candidate_of,
@@ -127,6 +127,7 @@ def cmd_playback(args) -> int:
 def merged(res: "peat.PlaybackResult") -> "peat.PlaybackResult":
     """`res` with the cells of every process's results file (this process's share and the
     others'), in grid order."""
+    assert res.campaign is not None  # peat.playback always records to a campaign directory
     cells = tuple(merged_records(res.campaign))
     return dataclasses.replace(res, cells=cells)
 
@@ -258,8 +259,9 @@ def cmd_demo(args) -> int:
         n_fwd, n_bwd = (sum(s.phase == phase for s in gemm) for phase in ("fwd", "bwd"))
         say(args, f"{len(sites)} sites in the train step, {len(gemm)} dot_general "
                    f"({n_fwd} fwd, {n_bwd} bwd)")
-        campaigns = {"pallas_matmul": peat.kernels.pallas_matmul(),
-                     "tile_bug": peat.faults.tile_boundary(block=8, axis=0, mode="garbage")}
+        campaigns: dict[str, Union[peat.Kernel, peat.Fault]] = {
+            "pallas_matmul": peat.kernels.pallas_matmul(),
+            "tile_bug": peat.faults.tile_boundary(block=8, axis=0, mode="garbage")}
         summary["playback"] = {}
         for name, cand in campaigns.items():
             res = peat.playback(out, {"dot_general": cand}, name=name,

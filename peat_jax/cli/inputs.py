@@ -9,7 +9,8 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import peat_jax as peat
-from peat_jax import kernel_spec, models
+import peat_jax.models as models
+from peat_jax import kernel_spec
 from peat_jax.errors import PeatError
 
 # Bundled kernels by name: factory, and the primitive or region its reference lowers to.
@@ -87,9 +88,11 @@ def parse_fault(spec: str) -> peat.Fault:
     name = tree.func.id
     if name not in peat.faults.ALL:
         raise PeatError(f"unknown fault {name!r}; faults: {', '.join(peat.faults.ALL)}")
+    if any(k.arg is None for k in tree.keywords):
+        raise PeatError(f"fault {spec!r}: name each keyword argument (no **)")
     try:
         args = [ast.literal_eval(a) for a in tree.args]
-        kwargs = {k.arg: ast.literal_eval(k.value) for k in tree.keywords}
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in tree.keywords if k.arg is not None}
     except ValueError:
         raise PeatError(f"fault {spec!r}: arguments must be literals (numbers, strings, "
                         "tuples)") from None
@@ -167,7 +170,9 @@ def schedule_of(args) -> peat.Schedule:
     if args.every is not None:
         return peat.every(args.every, args.offset)
     if args.at_steps is not None:
-        return peat.at_steps(int_list(args.at_steps, "--at-steps"))
+        steps = int_list(args.at_steps, "--at-steps")
+        assert steps is not None  # args.at_steps is not None
+        return peat.at_steps(steps)
     return peat.with_probability(args.probability, seed=args.seed)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from peat_jax import models
+import peat_jax.models as models
 from peat_jax.cli.check import cmd_check
 from peat_jax.cli.commands import (
     cmd_compare,

@@ -95,7 +95,8 @@ def fault_bits(w, dtype: str) -> tuple[int, ...]:
         combos = list(itertools.combinations(range(f.bits), k))
         if len(combos) > 50_000:
             break
-        masks = np.array([sum(1 << b for b in c) for c in combos], dtype=np.uint64).astype(ut)
+        masks: np.ndarray = np.array([sum(1 << b for b in c) for c in combos],
+                                     dtype=np.uint64).astype(ut)
         with np.errstate(invalid="ignore", over="ignore"):
             back = (ut(w.candidate_bits) ^ masks).view(ft).astype(np.float64)
             left = np.where(np.isfinite(back), np.abs(back - w.golden), np.inf)

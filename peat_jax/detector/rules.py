@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 
 from peat_jax import taxonomy
@@ -119,8 +119,9 @@ def _numerical_noise(s: Signature) -> Optional[Match]:
     if c.significant or c.flushed:
         return None
     nz = s.noise
-    ev = {"max_floor_ratio": s.errors.max_floor_ratio, "mismatched": c.mismatched,
-          "max_ulp": s.errors.max_ulp, "floor": nz.kind if nz else None}
+    ev: dict[str, Any] = {"max_floor_ratio": s.errors.max_floor_ratio,
+                          "mismatched": c.mismatched, "max_ulp": s.errors.max_ulp,
+                          "floor": nz.kind if nz else None}
     if nz is not None and nz.kind == "float64":
         if nz.distribution_ok is False:
             return None
@@ -353,7 +354,7 @@ def _permuted_layout(s: Signature) -> Optional[Match]:
     if p is None or c.significant < 2:
         return None
     if p.is_transpose:
-        ev = {"transpose": True, "significant": c.significant}
+        ev: dict[str, Any] = {"transpose": True, "significant": c.significant}
         return Match(ev, 1.0, f"the output is the golden transposed (last two axes swapped; "
                                f"{c.significant} elements out of place)")
     if not p.is_permutation or p.sorted_differ is None or p.sorted_differ > c.mismatched:
@@ -527,6 +528,7 @@ def _reduced_precision(s: Signature) -> Optional[Match]:
     if not _dense_numerical(s):
         return None
     p, e = s.precision, s.errors
+    assert p is not None and p.effective_mantissa_bits is not None  # _dense_numerical's test
     nmant = float_format(s.dtype).mantissa_bits
     if p.on_narrow_grid:
         if p.beyond_half_ulp_on_grid > GRID_TOLERANCE:
@@ -567,6 +569,7 @@ def _low_precision_accumulation(s: Signature) -> Optional[Match]:
     if not _dense_numerical(s):
         return None
     p, e = s.precision, s.errors
+    assert p is not None and p.effective_mantissa_bits is not None  # _dense_numerical's test
     nmant = float_format(s.dtype).mantissa_bits
     ev = {"effective_mantissa_bits": round(p.effective_mantissa_bits, 1),
           "error_slope": e.error_slope, "bias_t": e.bias_t,
@@ -603,8 +606,8 @@ def _random_value(s: Signature) -> Optional[Match]:
 def _unknown(s: Signature) -> Optional[Match]:
     """Anything else (fails: no model fits)."""
     c = s.counts
-    ev = {"significant": c.significant, "mismatched": c.mismatched,
-          "max_floor_ratio": s.errors.max_floor_ratio}
+    ev: dict[str, Any] = {"significant": c.significant, "mismatched": c.mismatched,
+                          "max_floor_ratio": s.errors.max_floor_ratio}
     if c.significant == 0 and s.noise is not None and s.noise.distribution_ok is False:
         ev["candidate_ulp_quantiles"] = dict(s.noise.candidate_ulp_quantiles)
         ev["golden_ulp_quantiles"] = dict(s.noise.golden_ulp_quantiles)

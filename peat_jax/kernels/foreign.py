@@ -64,7 +64,7 @@ def _float_result_dtype(leaves) -> Optional[np.dtype]:
 def _check_name(fn, name: Optional[str], what: str) -> str:
     if not callable(fn):
         raise PeatError(f"{what} needs a callable, got {type(fn).__name__}")
-    return name or getattr(fn, "__name__", what)
+    return name if name else getattr(fn, "__name__", what)
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def dot_general(matmul: Callable[[jax.Array, jax.Array], jax.Array], name: Optio
     if not callable(matmul):
         raise PeatError(f"peat.kernels.dot_general needs a callable matmul, got "
                         f"{type(matmul).__name__}")
-    kname = name or getattr(matmul, "__name__", "matmul")
+    kname = name if name else getattr(matmul, "__name__", "matmul")
 
     def impl(lhs, rhs, *, dimension_numbers, preferred_element_type=None, **_):
         lc, rc, lb, rb, lf, rf = _dims(dimension_numbers, lhs.ndim, rhs.ndim)

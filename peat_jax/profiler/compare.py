@@ -87,6 +87,7 @@ class RunComparison:
         a, b = self.backends
         if self.first_step is None:
             return f"{a} and {b} agree within tolerance over {self.steps} steps"
+        assert self.values is not None  # set together with first_step
         va, vb = self.values
         return (f"{a} and {b} diverge at step {self.first_step} on {self.metric!r}: "
                 f"{va:.6g} vs {vb:.6g}")
@@ -138,7 +139,7 @@ def compare_runs(run_a: PathLike, run_b: PathLike, *, rtol: float = 1e-3) -> Run
         if first is None:
             over = {m: r for m, r in rels.items() if r > rtol}
             if over:
-                m = max(over, key=over.get)
+                m = max(over, key=over.__getitem__)
                 first = (i, m, (float(a[i][m]), float(b[i][m])))
     backend = lambda m: f"{m.get('backend', '?')} ({m.get('device_kind', '?')})"  # noqa: E731
     return RunComparison(first[0] if first else None, first[1] if first else None,

@@ -390,7 +390,7 @@ def diagnose_effect(golden, got, ref_spread=None, before=None,
     fits = {} if before is None else {p: tuple(float(x) for x in v) for p, v in _named(
         _update_fits(state_part(cs), state_part(gs), state_part(before))).items()}
     name, factor = _name(moved, nonfinite, fits)
-    top = max(ratio, key=ratio.get) if any(r > 0 for r in ratio.values()) else ""
+    top = max(ratio, key=ratio.__getitem__) if any(r > 0 for r in ratio.values()) else ""
     update_change = fits.get(top, (math.nan,))[0]
     e = Effect(model=name, passed=taxonomy.EFFECT_BY_NAME[name].passes, summary="",
                moved=moved, nonfinite=nonfinite, leaf=top, noise_ratio=ratio.get(top, 0.0),
@@ -423,7 +423,7 @@ def _ratio(change: float, noise: float) -> float:
 
 
 def _name(moved: tuple[str, ...], nonfinite: tuple[str, ...],
-          fits: Mapping[str, tuple[float, float, float]]) -> tuple[str, Optional[float]]:
+          fits: Mapping[str, tuple[float, ...]]) -> tuple[str, Optional[float]]:
     """The effect's name by the module's sufficient conditions, and the update factor (None
     unless ``update_scaled`` / ``sign_reversed``)."""
     if nonfinite:

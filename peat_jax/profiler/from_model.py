@@ -109,7 +109,8 @@ def workload_from(loss_fn: Callable[..., Any], params: Any,
     extra_args = isinstance(optimizer, optax.GradientTransformationExtraArgs)
 
     def train_step(state: Mapping[str, Any], batch: Any) -> tuple[dict[str, Any], dict]:
-        rng, keys = state["rng"], ()
+        rng = state["rng"]
+        keys: tuple[jax.Array, ...] = ()
         if takes_key:
             rng, key = jax.random.split(rng)
             keys = (key,)
@@ -184,10 +185,10 @@ def from_flax(module: Any, loss: Callable[..., Any], optimizer: optax.GradientTr
         if rngs:
             raise PeatError(f"from_flax(name={name!r}): an nnx module draws from its own "
                             "nnx.Rngs; rngs= is for linen modules")
-        graphdef, nnx_params, rest = nnx.split(module, nnx.Param, ...)
+        graphdef, nnx_params, *rest = nnx.split(module, nnx.Param, ...)  # rest: one State
 
         def nnx_loss(p: Any, batch: Any) -> Any:
-            model = nnx.merge(graphdef, p, rest)
+            model = nnx.merge(graphdef, p, *rest)
             return loss(model(*args_of(batch), **apply_kwargs), batch)
 
         return workload_from(nnx_loss, nnx_params if params is None else params, optimizer,
@@ -221,7 +222,7 @@ def from_flax(module: Any, loss: Callable[..., Any], optimizer: optax.GradientTr
         start = init_params
 
     def linen_loss(p: Any, batch: Any, *key: jax.Array) -> Any:
-        kw = {"rngs": streams(key[0], rngs)} if rngs else {}
+        kw: dict[str, Any] = {"rngs": streams(key[0], rngs)} if rngs else {}
         outputs = module.apply({"params": p}, *args_of(batch), **kw, **apply_kwargs)
         return loss(outputs, batch)
 
@@ -540,7 +541,8 @@ def _layout(batch: Any) -> Any:
 def _bitwise_same(a: Any, b: Any) -> bool:
     la, ta = jax.tree.flatten(a)
     lb, tb = jax.tree.flatten(b)
-    if ta != tb or len(la) != len(lb):
+    # jaxlib ships no stubs: mypy cannot see PyTreeDef's __eq__
+    if ta != tb or len(la) != len(lb):  # type: ignore[operator]
         return False
     for x, y in zip(la, lb):
         x, y = np.asarray(jax.device_get(x)), np.asarray(jax.device_get(y))

@@ -258,7 +258,7 @@ def _drop_orbax_leftovers() -> None:
             return
         previous(unraisable)
 
-    hook._peat_drops_orbax = True
+    setattr(hook, "_peat_drops_orbax", True)  # installed once (the getattr above)
     sys.unraisablehook = hook
     # ... and the same reads' failures, logged by asyncio when their gathering future is dropped
     drop_abandoned_io_reports()
@@ -358,6 +358,7 @@ def profile(workload: Workload, run_dir: PathLike, *, steps: int, checkpoint_eve
         manifest = _manifest(workload, seed, steps, every, stats_every, record)
         resumed_from = _resume_point(rd, manifest, steps)
         if stats_every:
+            assert stats_sites is not None  # traced above when stats_every
             write_sites(rd.site_stats, stats_sites, stepper.sampling)
         state = _train(workload, rd, manifest, _Stepper(stepper, stats_every, stats_sites),
                        seed, steps, every, resumed_from, progress)

@@ -33,7 +33,7 @@ def as_oserror(exc: BaseException) -> Optional[OSError]:
     group), or one rebuilt from the errno an Orbax / tensorstore message carries; None when
     there is none (a `PeatError` is never one)."""
     seen: set[int] = set()
-    todo = [exc]
+    todo: list[Optional[BaseException]] = [exc]
     while todo:
         e = todo.pop(0)
         if e is None or id(e) in seen or isinstance(e, PeatError):

@@ -58,7 +58,7 @@ from peat_jax.profiler.rundir import MissingCheckpoint, PathLike, RunDir
 try:
     import fcntl
 except ImportError:  # not on POSIX: the O_EXCL lock file only
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # typeshed has fcntl always; None off POSIX
 
 __all__ = ["ENV", "LOCK", "Holder", "LockHeld", "RunLock", "campaign_lock", "campaign_writer",
            "golden_lock", "golden_writer", "runtime_writer", "writing"]
@@ -286,6 +286,7 @@ class RunLock:
             mode = "inherited"
         if mode == "flock":
             fd, self._fd = self._fd, None
+            assert fd is not None  # a flock-mode lock holds its file open
             try:
                 if _same_file(fd, self.path):
                     self.path.unlink()
@@ -532,6 +533,8 @@ def campaign_lock(run_dir: PathLike, name: str, host: Optional[tuple[int, int]] 
     if host is None:
         import jax
         host = (jax.process_index(), jax.process_count())
+    index: Optional[int]
+    count: Optional[int]
     try:
         index, count = host
     except (TypeError, ValueError):

@@ -226,7 +226,7 @@ class _Run(NamedTuple):
     iterations it ran in, whether an output was non-finite, and its judged output's abs-max."""
 
     key: tuple[int, ...]
-    index: int
+    site: int
     iteration: tuple[int, ...]
     bad: bool
     absmax: float
@@ -256,8 +256,8 @@ def _blew_up(runs: Sequence[_Run], traced, inputs_absmax: float,
     for run in runs:
         if run.bad:
             return None
-        site = traced.sites[run.index]
-        g = golden.get(run.index)
+        site = traced.sites[run.site]
+        g = golden.get(run.site)
         if (g is not None and (g.primitive, g.path) == (site.primitive, site.path)
                 and np.isfinite(g.absmax) and g.absmax > 0):
             reference, limit, against = g.absmax, GOLDEN_FACTOR * g.absmax, "golden"
@@ -343,7 +343,7 @@ def step_nan_origin(train_step, state, batch, step: int, *,
     first = next((r for r in runs if r.bad), None)
     if first is None:
         return None
-    site = traced.sites[first.index]
+    site = traced.sites[first.site]
     return NanOrigin(step=int(step), site=site.index, phase=site.phase, primitive=site.primitive,
                      path=site.path, iteration=first.iteration, fired=fired,
                      blew_up=_blew_up(runs, traced, float(inputs_absmax), golden or {}))

@@ -414,6 +414,7 @@ def _time_limited(run: _Run, c: int, group: Sequence[Site], state, batch) -> Any
     `run.cell_timeout` seconds. While they run, the campaign's running marker holds what a
     supervisor records if the process dies. Past the limit the group's cells are recorded as
     "timeout" and `CellTimeout` is raised."""
+    assert run.cell_timeout is not None  # `_outputs` limits the time only with a cell_timeout
     died = "the process died while running this cell"
     run.campaign.mark_running([run.failed(c, s, "crashed", died).to_record() for s in group])
     outs = _with_time_limit(lambda: jax.block_until_ready(run.replay.dispatch(group, state, batch)),

@@ -180,7 +180,8 @@ def environment() -> dict[str, Any]:
     dev = jax.devices()[0]
     env = {"jax_default_matmul_precision": current_matmul_precision(),
            "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           "x64": bool(jax.config.jax_enable_x64),
+           # jax.config's flags are attributes set at runtime: mypy cannot see them
+           "x64": bool(jax.config.jax_enable_x64),  # type: ignore[attr-defined]
            "backend": jax.default_backend(),
            "device_kind": getattr(dev, "device_kind", str(dev))}
     if env["backend"] == "gpu":

@@ -140,7 +140,7 @@ STATES = "runtime-state"
 
 
 def runtime_spec(manifest: Mapping[str, Any], substitution: Substitution, schedule: Schedule,
-                 steps: int, regions: Sequence[type]) -> dict[str, Any]:
+                 steps: Union[int, np.integer], regions: Sequence[type]) -> dict[str, Any]:
     """What a stored runtime run is: the golden run, the substitution's digest and candidates,
     the schedule, the steps and the regions. A run is resumed only with the same spec."""
     return {"run": run_identity(manifest), "substitution": substitution_digest(substitution),
@@ -339,6 +339,7 @@ def _runtime(run_dir_or_workload, substitution, schedule, *, steps, workload, re
     if resumed is not None:
         losses, origin, searched = list(resumed.losses), resumed.origin, resumed.searched
         if resumed.done < steps:
+            assert store is not None  # resumed is the store's progress
             state = store.restore(resumed, state0)
     with at_matmul_precision(precision):  # a run directory's: as its golden run trained
         for i in range(len(losses), steps):

@@ -353,7 +353,8 @@ def _recorded_output(site: Site) -> Optional[int]:
     usable = [i for i, d in enumerate(site.out_dtypes)
               if _numeric(d) and math.prod(site.out_shapes[i]) > 0]
     floats = [i for i in usable if jnp.issubdtype(site.out_dtypes[i], jnp.floating)]
-    return (floats or usable or [None])[0]
+    chosen = floats or usable
+    return chosen[0] if chosen else None
 
 
 def _numeric(dtype) -> bool:
@@ -548,7 +549,9 @@ def write_chunk(directory, steps: Sequence[int], packed: Sequence[Mapping[str, A
 
 
 def _write_npz(directory, name: str, arrays: Mapping[str, np.ndarray]) -> None:
-    atomic_write(directory / name, lambda f: np.savez_compressed(f, **arrays), binary=True)
+    # numpy's stub types **kwds with its allow_pickle: bool (no array is named so)
+    save = lambda f: np.savez_compressed(f, **arrays)  # type: ignore[arg-type]
+    atomic_write(directory / name, save, binary=True)
 
 
 class ChunkWriter:

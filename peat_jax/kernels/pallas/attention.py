@@ -242,7 +242,7 @@ def _backward(q, k, v, m, l, do, cfg: _Config):
     dop = _pad(do.astype(q.dtype), g.q_pad, g.d_pad)
     common = dict(scale=g.scale, causal=cfg.causal, kv_len=g.kv_len, bq=g.bq, bk=g.bk,
                   precision=cfg.precision)
-    sem = ("parallel", "parallel", "parallel")
+    sem: tuple[_interp.DimensionSemantics, ...] = ("parallel", "parallel", "parallel")
     dq, delta = _interp.call(
         functools.partial(_dq_body, nk=nk, **common),
         out_shape=(jax.ShapeDtypeStruct(qp.shape, q.dtype),

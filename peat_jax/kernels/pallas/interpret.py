@@ -100,6 +100,8 @@ class InterpretChecks:
 
 
 Checks = Union[None, bool, InterpretChecks]
+# per grid dimension, as `call` takes them (Pallas TPU's names)
+DimensionSemantics = Literal["parallel", "arbitrary"]
 
 
 def normalize_checks(checks: Checks) -> Optional[InterpretChecks]:
@@ -165,7 +167,7 @@ def interpret_mode(interpret: Optional[bool] = None, checks: Checks = None) -> A
 
 
 def compiler_params(mode: Any, chk: Optional[InterpretChecks] = None,
-                    dimension_semantics: Optional[Sequence[str]] = None) -> dict:
+                    dimension_semantics: Optional[Sequence[DimensionSemantics]] = None) -> dict:
     """The `compiler_params=` of a bundled kernel's `pallas_call` (as a keyword dict) for the
     interpret `mode` that `interpret_mode` chose.
 
@@ -185,7 +187,8 @@ def compiler_params(mode: Any, chk: Optional[InterpretChecks] = None,
 
 
 def call(body: Callable, *, out_shape: Any, grid: Sequence[int], in_specs: Any, out_specs: Any,
-         dimension_semantics: Optional[Sequence[str]] = None, name: Optional[str] = None,
+         dimension_semantics: Optional[Sequence[DimensionSemantics]] = None,
+         name: Optional[str] = None,
          interpret: Optional[bool] = None, checks: Checks = None) -> Callable:
     """`pl.pallas_call` with the backend choice and the interpreter checks of this module.
 

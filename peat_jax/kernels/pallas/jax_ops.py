@@ -114,7 +114,9 @@ def jax_pallas_mha(causal: bool = False, *, sm_scale: Optional[float] = None, bl
         reason = attention_supports(name, site, causal=causal)
         if reason:
             return reason
-        q, k, _ = region_args(site)
+        args = region_args(site)
+        assert args is not None  # attention_supports has checked the region's args
+        q, k, _ = args
         tq, tk = q.shape[1], k.shape[1]
         bq, bk = min(block_q, tq), min(block_k, tk)
         if tq % bq or tk % bk:
