@@ -181,32 +181,6 @@ def test_bundled_cuda_source_compiles_with_nvcc_and_is_cached(cache_dir, monkeyp
     assert other == lib
 
 
-@needs_nvcc
-def test_cuda_compile_error_names_file_and_line(tmp_path):
-    bad = tmp_path / "bad.cu"
-    bad.write_text('#include "xla/ffi/api/ffi.h"\n\n__global__ void k(float* x) { x[0] = y; }\n')
-    with pytest.raises(peat.PeatError,
-                       match=r"(?s)compiling bad.cu failed at \S*bad\.cu:3 \(exit \d+\): "
-                             r"\S*nvcc .*identifier \"y\" is undefined"):
-        ffi.build_cuda_library(bad, "bad", cache_dir=tmp_path)
-    assert not [p for p in os.listdir(tmp_path) if p.endswith(".so")]  # no half-built library
-
-
-def test_missing_nvcc_is_a_peat_error_saying_what_to_do(tmp_path, monkeypatch):
-    src = tmp_path / "k.cu"
-    src.write_text("// empty\n")
-    monkeypatch.setenv("NVCC", str(tmp_path / "no-nvcc"))
-    with pytest.raises(peat.PeatError, match=r"no-nvcc' \(from \$NVCC\) is not an executable"):
-        ffi.build_cuda_library(src, "k", cache_dir=tmp_path)
-    monkeypatch.delenv("NVCC")
-    monkeypatch.delenv("CUDA_HOME", raising=False)
-    monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(ffi, "NVCC_DEFAULT", str(tmp_path / "cuda/bin/nvcc"))
-    with pytest.raises(peat.PeatError, match=r"nvcc not found \(\$NVCC unset, not on PATH.*"
-                                             r"install the CUDA toolkit.*set \$NVCC"):
-        ffi.build_cuda_library(src, "k", cache_dir=tmp_path)
-
-
 def test_cuda_arch_flags():
     assert ffi.cuda_arch_flags() == ["-gencode", "arch=compute_80,code=sm_80",
                                      "-gencode", "arch=compute_90,code=sm_90",
@@ -294,34 +268,52 @@ def test_bundled_hip_source_compiles_for_gfx90a_and_is_cached(cache_dir, monkeyp
     assert other == lib
 
 
-@needs_hipcc
-def test_hip_compile_error_names_file_and_line(tmp_path):
-    bad = tmp_path / "bad.hip"
-    bad.write_text('#include <hip/hip_runtime.h>\n\n__global__ void k(float* x) { x[0] = y; }\n')
+@pytest.mark.parametrize("suffix, header, build, message", [
+    pytest.param("cu", '"xla/ffi/api/ffi.h"', lambda src, d: ffi.build_cuda_library(
+        src, "bad", cache_dir=d), r"\S*nvcc .*identifier \"y\" is undefined",
+        marks=needs_nvcc, id="nvcc"),
+    pytest.param("hip", "<hip/hip_runtime.h>", lambda src, d: ffi.build_rocm_library(
+        src, "bad", cache_dir=d, arch="gfx90a"),
+        r"\S*hipcc .*--offload-arch=gfx90a.*undeclared identifier 'y'", marks=needs_hipcc,
+        id="hipcc"),
+])
+def test_gpu_compile_error_names_file_and_line(tmp_path, suffix, header, build, message):
+    bad = tmp_path / f"bad.{suffix}"
+    bad.write_text(f"#include {header}\n\n__global__ void k(float* x) {{ x[0] = y; }}\n")
     with pytest.raises(peat.PeatError,
-                       match=r"(?s)compiling bad.hip failed at \S*bad\.hip:3 \(exit \d+\): "
-                             r"\S*hipcc .*--offload-arch=gfx90a.*undeclared identifier 'y'"):
-        ffi.build_rocm_library(bad, "bad", cache_dir=tmp_path, arch="gfx90a")
+                       match=rf"(?s)compiling bad.{suffix} failed at \S*bad\.{suffix}:3 "
+                             rf"\(exit \d+\): {message}"):
+        build(bad, tmp_path)
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".so")]  # no half-built library
 
 
-def test_missing_hipcc_is_a_peat_error_saying_what_to_do(tmp_path, monkeypatch):
-    src = tmp_path / "k.hip"
+@pytest.mark.parametrize("tool, suffix, home, defaults, build, install", [
+    ("nvcc", "cu", "CUDA_HOME", ("NVCC_DEFAULT", "cuda/bin/nvcc"), ffi.build_cuda_library,
+     ["install the CUDA toolkit"]),
+    ("hipcc", "hip", "ROCM_PATH", ("HIPCC_DEFAULTS", "rocm/bin/hipcc"), ffi.build_rocm_library,
+     ["install the ROCm toolkit", "`apt-get install hipcc`"]),
+])
+def test_missing_gpu_compiler_is_one_line_saying_what_to_do(tmp_path, monkeypatch, tool, suffix,
+                                                           home, defaults, build, install):
+    src = tmp_path / f"k.{suffix}"
     src.write_text("// empty\n")
-    monkeypatch.setenv("HIPCC", str(tmp_path / "no-hipcc"))
-    with pytest.raises(peat.PeatError, match=r"no-hipcc' \(from \$HIPCC\) is not an executable"):
-        ffi.build_rocm_library(src, "k", cache_dir=tmp_path)
-    monkeypatch.delenv("HIPCC")
-    monkeypatch.delenv("ROCM_PATH", raising=False)
+    env = tool.upper()
+    monkeypatch.setenv(env, str(tmp_path / f"no-{tool}"))
+    with pytest.raises(peat.PeatError,
+                       match=rf"no-{tool}' \(from \${env}\) is not an executable"):
+        build(src, "k", cache_dir=tmp_path)
+    monkeypatch.delenv(env)
+    monkeypatch.delenv(home, raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(ffi, "HIPCC_DEFAULTS", (str(tmp_path / "rocm/bin/hipcc"),))
+    attr, missing = defaults
+    where = str(tmp_path / missing)
+    monkeypatch.setattr(ffi, attr, where if attr == "NVCC_DEFAULT" else (where,))
     with pytest.raises(peat.PeatError) as e:
-        ffi.build_rocm_library(src, "k", cache_dir=tmp_path)
+        build(src, "k", cache_dir=tmp_path)
     message = str(e.value)
     assert "\n" not in message, message  # one line
-    assert message.startswith("HIP compiler hipcc not found ($HIPCC unset, not on PATH")
-    assert "install the ROCm toolkit" in message and "`apt-get install hipcc`" in message
-    assert "set $HIPCC" in message
+    assert f"compiler {tool} not found (${env} unset, not on PATH, not at {where})" in message
+    assert all(text in message for text in install) and f"set ${env}" in message, message
 
 
 def test_rocm_arch_flags(monkeypatch):

@@ -107,6 +107,30 @@ def _compiler(compiler: Optional[str]) -> str:
     return path
 
 
+def _find_compiler(what: str, tool: str, given: Optional[str], source: str, home: str,
+                   defaults: Sequence[str], toolkit: str, install: str) -> str:
+    """The path of compiler `tool`: `given` (from `source`, an argument or an environment
+    variable), else `tool` on PATH, else `$<home>/bin/<tool>`, else the first of `defaults`
+    that is an executable; a one-line PeatError naming `install` otherwise."""
+    if given:
+        path = shutil.which(given)
+        if path is None:
+            raise PeatError(f"{what} compiler {given!r} (from {source}) is not an executable: "
+                            f"point it at the {toolkit}'s bin/{tool}")
+        return path
+    candidates = [shutil.which(tool)]
+    if os.environ.get(home):
+        candidates.append(os.path.join(os.environ[home], "bin", tool))
+    candidates += list(defaults)
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    env = f"${tool.upper()}"
+    raise PeatError(f"{what} compiler {tool} not found ({env} unset, not on PATH, not at "
+                    f"{' or '.join(defaults)}): {install}, or set {env} (or pass {tool}=) to "
+                    f"its bin/{tool}")
+
+
 def find_nvcc(nvcc: Optional[str] = None) -> str:
     """The path of the CUDA compiler: `nvcc` if given, else `$NVCC`, else `nvcc` on PATH, else
     `$CUDA_HOME/bin/nvcc`, else `NVCC_DEFAULT`.
@@ -114,24 +138,11 @@ def find_nvcc(nvcc: Optional[str] = None) -> str:
     Raises:
       PeatError: none of them is an executable (saying what to install or set).
     """
-    given = nvcc or os.environ.get("NVCC")
-    if given:
-        path = shutil.which(given)
-        if path is None:
-            raise PeatError(f"CUDA compiler {given!r} (from {'nvcc=' if nvcc else '$NVCC'}) is not "
-                            "an executable: point it at the CUDA toolkit's bin/nvcc")
-        return path
-    candidates = [shutil.which("nvcc")]
-    if os.environ.get("CUDA_HOME"):
-        candidates.append(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
-    candidates.append(NVCC_DEFAULT)
-    for c in candidates:
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    raise PeatError(f"CUDA compiler nvcc not found ($NVCC unset, not on PATH, not at "
-                    f"{NVCC_DEFAULT}): install the CUDA toolkit (https://developer.nvidia.com/"
-                    "cuda-downloads; its version must be one the GPU driver supports), or set "
-                    "$NVCC (or pass nvcc=) to its bin/nvcc")
+    return _find_compiler("CUDA", "nvcc", nvcc or os.environ.get("NVCC"),
+                          "nvcc=" if nvcc else "$NVCC", "CUDA_HOME", [NVCC_DEFAULT],
+                          "CUDA toolkit",
+                          "install the CUDA toolkit (https://developer.nvidia.com/cuda-downloads;"
+                          " its version must be one the GPU driver supports)")
 
 
 def cuda_arch_flags(arch: Union[None, str, Sequence[str]] = None) -> list[str]:
@@ -169,25 +180,12 @@ def find_hipcc(hipcc: Optional[str] = None) -> str:
     Raises:
       PeatError: none of them is an executable (saying what to install or set).
     """
-    given = hipcc or os.environ.get("HIPCC")
-    if given:
-        path = shutil.which(given)
-        if path is None:
-            raise PeatError(f"HIP compiler {given!r} (from {'hipcc=' if hipcc else '$HIPCC'}) is "
-                            "not an executable: point it at the ROCm toolkit's bin/hipcc")
-        return path
-    candidates = [shutil.which("hipcc")]
-    if os.environ.get("ROCM_PATH"):
-        candidates.append(os.path.join(os.environ["ROCM_PATH"], "bin", "hipcc"))
-    candidates += HIPCC_DEFAULTS
-    for c in candidates:
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    raise PeatError(f"HIP compiler hipcc not found ($HIPCC unset, not on PATH, not at "
-                    f"{' or '.join(HIPCC_DEFAULTS)}): install the ROCm toolkit "
-                    "(https://rocm.docs.amd.com; the version jax's ROCm plugin uses, to run the "
-                    "library), or Debian's hipcc (`apt-get install hipcc`, enough to compile), "
-                    "or set $HIPCC (or pass hipcc=) to its bin/hipcc")
+    return _find_compiler("HIP", "hipcc", hipcc or os.environ.get("HIPCC"),
+                          "hipcc=" if hipcc else "$HIPCC", "ROCM_PATH", HIPCC_DEFAULTS,
+                          "ROCm toolkit",
+                          "install the ROCm toolkit (https://rocm.docs.amd.com; the version "
+                          "jax's ROCm plugin uses, to run the library), or Debian's hipcc "
+                          "(`apt-get install hipcc`, enough to compile)")
 
 
 _ARCH_SUPPORT: dict[tuple[str, str], bool] = {}  # (hipcc, arch) -> whether it accepts the arch
