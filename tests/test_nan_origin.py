@@ -268,3 +268,18 @@ def test_records_made_before_blew_up_still_read():
     assert NanOrigin.from_dict(json.loads(json.dumps(dataclasses.asdict(o2)))) == o2
     assert str(o2) == ("step 3, site #5 fwd exp @ m; blew up at site #1 bwd dot_general @ <top> "
                        "(iteration 2): abs-max 1e+30, the golden run's 2")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("bad", [None, jnp.nan, jnp.inf, -jnp.inf])
+def test_tree_finite_inside_a_jitted_step_and_alone(dtype, bad):
+    """The runtime reads "is the new state finite" from its step's own program: the same answer
+    as all_finite, integer leaves ignored, an empty tree finite."""
+    from peat_jax.profiler.nan_origin import all_finite, tree_finite
+    w = jnp.ones((3, 4), dtype)
+    if bad is not None:
+        w = w.at[2, 1].set(bad)
+    tree = {"w": w, "count": jnp.int32(7), "b": jnp.zeros((2,), jnp.float32)}
+    folded = bool(jax.jit(tree_finite)(tree))
+    assert folded == all_finite(tree) == (bad is None)
+    assert bool(tree_finite({"count": jnp.int32(1)})) and bool(tree_finite({}))
