@@ -24,12 +24,12 @@ second_shape_kernel_s: the same programs' tracing, lowering to MLIR and XLA comp
   adds per new shape (the reference's programs, the analyzer, the detector, the report).
 first_check_compiles, second_shape_compiles: the analyzer's programs each compiled (the sizes
   of the jit caches of `shape_program` and `sample_program`, read through
-  `peat_jax._jax.cache_size`): small leaves share a padded bucket's program, so a new small
+  `peat_jax._src._jax.cache_size`): small leaves share a padded bucket's program, so a new small
   shape compiles none.
 allclose_first_s: the allclose test an author would write instead of the check, cold: a fresh
   process in the cold check's environment (``PEAT_CACHE_DIR=off``; nothing turns jax's
   persistent compilation cache on) that imports jax and peat_jax, builds the same kernel
-  (``peat_jax.kernels.pallas_matmul()`` at a float32 ``dot_general`` of 67x45 by 45x33, as
+  (``peat_jax._src.kernels.pallas_matmul()`` at a float32 ``dot_general`` of 67x45 by 45x33, as
   ``peat check pallas_matmul`` does), runs one jitted forward and backward (``jax.vjp``, a random
   cotangent) of it and of the reference (``jnp.matmul`` at precision "highest") and
   ``np.testing.assert_allclose`` on the output and both gradients (rtol = atol = 1e-5): the
@@ -61,7 +61,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-import peat_jax.analyzer as analyzer
+import peat_jax._src.analyzer as analyzer
 
 
 def _pair(n_side: int, seed: int = 0):
@@ -98,8 +98,8 @@ def _interleaved(a, b, args, repeats: int) -> tuple[float, float]:
 _SECOND_SHAPE = r"""
 import json, logging, re, time
 import jax
-from peat_jax import _jax, cli
-from peat_jax.analyzer import device
+from peat_jax._src import _jax, cli
+from peat_jax._src.analyzer import device
 KERNEL = ("candidate", "candidate_vjp", "candidate_vjp_pair")
 STAGE = re.compile(r"Finished (tracing (\w+) for jit|jaxpr to MLIR module conversion "
                    r"jit\((\w+)\)|XLA compilation of jit\((\w+)\)) in ([0-9.e-]+) sec")
@@ -146,7 +146,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import peat_jax
-kernel = peat_jax.kernels.pallas_matmul()
+kernel = peat_jax._src.kernels.pallas_matmul()
 dims = (((1,), (0,)), ((), ()))
 def forward_backward(fn):
     @jax.jit

@@ -71,7 +71,7 @@ def sweep(train_step, state, batch, n_sites: int) -> tuple[float, int, float, fl
 
 
 def finite_fold(train_step, state, batch, repeats: int) -> float:
-    from peat_jax.profiler.nan_origin import all_finite, tree_finite
+    from peat_jax._src.profiler.nan_origin import all_finite, tree_finite
     apart = jax.jit(train_step)
 
     def with_finite(s, b):

@@ -50,7 +50,7 @@ import warnings
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
 import peat_jax as peat  # noqa: E402
-from peat_jax.kernels import pallas as pk  # noqa: E402
+from peat_jax._src.kernels import pallas as pk  # noqa: E402
 from corpus import ENTRIES  # noqa: E402
 from corpus.step import golden_run, play  # noqa: E402
 import third_party  # noqa: E402
@@ -152,7 +152,7 @@ class _Timed:
     floor) and adds up the seconds spent in it."""
 
     def __init__(self):
-        from peat_jax.check import judging
+        from peat_jax._src.check import judging
         self.check, self.inner, self.seconds = judging, judging.rounding_samples, 0.0
 
     def __enter__(self):

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import peat_jax as peat
-from peat_jax.kernels import pallas as pk
-from peat_jax.kernels import references
+from peat_jax._src.kernels import pallas as pk
+from peat_jax._src.kernels import references
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 

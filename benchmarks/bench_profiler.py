@@ -9,9 +9,9 @@ playback_speedup: time of the default playback campaign of a 20-step run (checkp
   per distinct tensor shape, the same in both ways and paid once per process) are warmed up
   before either is timed. Goal >= 10 at >= 30 cells.
 playback_pseudo_share: of the default campaign's time, the share spent in the rounding
-  pseudo-errors its effects are judged against (`peat_jax.profiler.effect`: the golden step
+  pseudo-errors its effects are judged against (`peat_jax._src.profiler.effect`: the golden step
   replayed with a pseudo-error at a cell's site, only for cells whose step moved beyond the
-  dtype's rounding; timed around playback's `_pseudo_errors`), with `pseudo_samples` (the
+  dtype's rounding; timed around playback's `pseudo_errors`), with `pseudo_samples` (the
   replays it ran) and `cells_pseudo_sampled`; the recompiling baseline runs none.
 storage_ratio: bytes the campaign stored (its directory) over the bytes a dump of every site's
   operands and outputs at every replayed step would take (per-iteration tensors of sites inside
@@ -40,13 +40,13 @@ import numpy as np
 
 import peat_jax as peat
 from peat_jax import models
-from peat_jax.analyzer import analyze
-from peat_jax.detector import detect
-from peat_jax.profiler import playback as _playback
-from peat_jax.profiler.golden import profile, restore
-from peat_jax.profiler.playback import diagnose_effect, playback
-from peat_jax.profiler.rundir import RunDir
-from peat_jax.profiler.site_stats import StatsStep, read_sites
+from peat_jax._src.analyzer import analyze
+from peat_jax._src.detector import detect
+from peat_jax._src.profiler import playback as _playback
+from peat_jax._src.profiler.golden import profile, restore
+from peat_jax._src.profiler.playback import diagnose_effect, playback
+from peat_jax._src.profiler.rundir import RunDir
+from peat_jax._src.profiler.site_stats import StatsStep, read_sites
 
 
 def _bytes(shapes, dtypes) -> int:
@@ -90,11 +90,11 @@ def stats_costs(name: str, steps: int = 10, reps: int = 30) -> dict:
 
 
 class _PseudoTimer:
-    """Times playback's rounding pseudo-errors (`_pseudo_errors`) while installed."""
+    """Times playback's rounding pseudo-errors (`pseudo_errors`) while installed."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._inner = _playback._pseudo_errors
+        self._inner = _playback.pseudo_errors
 
     def __call__(self, *args, **kwargs):
         t0 = time.perf_counter()
@@ -104,11 +104,11 @@ class _PseudoTimer:
             self.seconds += time.perf_counter() - t0
 
     def __enter__(self) -> "_PseudoTimer":
-        _playback._pseudo_errors = self
+        _playback.pseudo_errors = self
         return self
 
     def __exit__(self, *exc) -> None:
-        _playback._pseudo_errors = self._inner
+        _playback.pseudo_errors = self._inner
 
 
 def main() -> None:

@@ -45,8 +45,8 @@ import tempfile
 import time
 
 from peat_jax import models
-from peat_jax.profiler.campaign import merged_records
-from peat_jax.profiler.golden import profile
+from peat_jax._src.profiler.campaign import merged_records
+from peat_jax._src.profiler.golden import profile
 
 COUNTS = (1, 2)
 PROJECTED = (8, 64, 512)

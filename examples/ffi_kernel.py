@@ -1,6 +1,6 @@
 """Validate an XLA FFI custom-call kernel: the bundled matmul, compiled here against jax's FFI
-headers (the naive C++ `peat_jax/kernels/csrc/naive_matmul.cc` with g++ on the CPU; on a CUDA GPU
-also the tiled `naive_matmul.cu` with nvcc, registered under the same target), checked against
+headers (the naive C++ `peat_jax/_src/kernels/csrc/naive_matmul.cc` with g++ on the CPU; on a CUDA
+GPU also the tiled `naive_matmul.cu` with nvcc, registered under the same target), checked against
 XLA's dot forward and backward, its seeded-bug variant named by the detector, then replayed at
 every GEMM site of a training step and used for training. The same script runs on a CPU or a GPU
 backend.

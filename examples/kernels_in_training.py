@@ -5,7 +5,7 @@ backward, next to the golden run; then the Pallas interpreter's checks catching 
     python3 examples/kernels_in_training.py [--steps 30] [--no-torch]
 
 On CPU the Pallas kernels run in interpret mode (chosen automatically); on GPU they compile.
-The FFI kernel is compiled from `peat_jax/kernels/csrc/naive_matmul.cc` on first use (g++).
+The FFI kernel is compiled from `peat_jax/_src/kernels/csrc/naive_matmul.cc` on first use (g++).
 Takes about a minute on 2 CPU cores.
 """
 from __future__ import annotations
@@ -18,7 +18,6 @@ from jax.experimental import pallas as pl
 
 import peat_jax as peat
 from peat_jax import models
-from peat_jax.kernels import pallas as pk
 
 
 def losses(step_fn, state, workload, steps: int) -> list[float]:
@@ -41,13 +40,12 @@ def racy_matmul() -> peat.Kernel:
 
     def matmul(a, b):
         (m, k), n = a.shape, b.shape[1]
-        return pk.call(body, out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
-                       grid=(m // 16, k // 16),
-                       in_specs=[pl.BlockSpec((16, 16), lambda i, kk: (i, kk)),
-                                 pl.BlockSpec((16, n), lambda i, kk: (kk, 0))],
-                       out_specs=pl.BlockSpec((16, n), lambda i, kk: (i, 0)),
-                       dimension_semantics=("parallel", "parallel"), name="racy_matmul",
-                       checks=True)(a, b)
+        return peat.kernels.pallas_call(
+            body, out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32), grid=(m // 16, k // 16),
+            in_specs=[pl.BlockSpec((16, 16), lambda i, kk: (i, kk)),
+                      pl.BlockSpec((16, n), lambda i, kk: (kk, 0))],
+            out_specs=pl.BlockSpec((16, n), lambda i, kk: (i, 0)),
+            dimension_semantics=("parallel", "parallel"), name="racy_matmul", checks=True)(a, b)
 
     return peat.kernels.dot_general(matmul, name="racy_matmul")
 
@@ -63,7 +61,8 @@ def main(argv=None) -> None:
     golden = losses(jax.jit(wl.train_step), state, wl, opts.steps)
     print(f"golden: loss {golden[0]:.4f} -> {golden[-1]:.4f} over {opts.steps} steps")
 
-    candidates = {"pallas_matmul": pk.pallas_matmul(), "ffi_matmul": peat.kernels.ffi_matmul()}
+    candidates = {"pallas_matmul": peat.kernels.pallas_matmul(),
+                  "ffi_matmul": peat.kernels.ffi_matmul()}
     if not opts.no_torch:
         try:
             import torch
@@ -94,7 +93,7 @@ def main(argv=None) -> None:
         line = next((ln for ln in str(e).splitlines() if "data race" in ln), str(e).splitlines()[0])
         print(f"racy_matmul: {line.strip()}")
     finally:
-        pk.reset_interpret_state()
+        peat.kernels.reset_interpret_state()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Bundled training workloads (``peat_jax.models``): small Flax + optax training flows to profile.
 
-Each is a :class:`peat_jax.profiler.workload.Workload` built from a name and keyword config::
+Each is a :class:`peat_jax._src.profiler.workload.Workload` built from a name and keyword config::
 
     from peat_jax import models
     models.available()  # ("vision", "language", "vision_finetune", "language_finetune")
@@ -30,7 +30,7 @@ import functools
 import importlib
 from typing import Any
 
-from peat_jax.profiler.workload import Workload, register_workload
+from peat_jax._src.profiler.workload import Workload, register_workload
 
 from ._common import train
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from peat_jax.profiler.workload import typed_key
+from peat_jax._src.profiler.workload import typed_key
 
 State = dict[str, Any]
 Batch = dict[str, Any]
@@ -162,7 +162,7 @@ def make_workload(name: str, cfg: Mapping[str, Any], init_params: Callable[[jax.
                   eval_batches: list[Batch]):
     """The `Workload` every bundled model shares: jitted init, adam train step, held-out
     evaluate."""
-    from peat_jax.profiler.workload import Workload
+    from peat_jax._src.profiler.workload import Workload
 
     @jax.jit
     def _init(key: jax.Array) -> State:

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import optax
 
-from peat_jax.profiler.workload import Workload, typed_key
+from peat_jax._src.profiler.workload import Workload, typed_key
 
 from . import _common, language, vision
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from peat_jax.profiler.workload import Workload
+from peat_jax._src.profiler.workload import Workload
 
 from . import _common
 

@@ -1,3 +1,5 @@
-from peat_jax.cli import main
 import sys
+
+from peat_jax._src.cli import main
+
 sys.exit(main())

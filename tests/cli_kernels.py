@@ -52,7 +52,7 @@ hang_and_segfault_matmul = peat.Kernel("hang_and_segfault", _chaos, primitive="d
 
 def tf32_matmul():
     """A matmul computing like a TF32 GPU kernel: its inputs rounded to TF32."""
-    from peat_jax.formats import round_to_format
+    from peat_jax._src.formats import round_to_format
 
     def impl(a, b, **params):
         rounded = [x + jax.lax.stop_gradient(round_to_format(x, "tf32") - x) for x in (a, b)]

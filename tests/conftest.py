@@ -168,7 +168,7 @@ def small_vision_run(tmp_path_factory):
     """A 60-step golden run of the small vision workload (checkpoints 0, 20, 40, 60), shared by
     the playback test modules; each test names its own campaign."""
     from peat_jax import models
-    from peat_jax.profiler.golden import profile
+    from peat_jax._src.profiler.golden import profile
     wl = models.get("vision", batch_size=16, width=8, hidden=32)
     path = tmp_path_factory.mktemp("vision") / "run"
     profile(wl, path, steps=60, checkpoint_every=20)

@@ -10,11 +10,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from peat_jax import analyzer as A
-from peat_jax._jax import cache_size
-from peat_jax.detector import detect
-from peat_jax.analyzer import Signature, analyze
-from peat_jax.errors import PeatError
+from peat_jax._src import analyzer as A
+from peat_jax._src._jax import cache_size
+from peat_jax._src.detector import detect
+from peat_jax._src.analyzer import Signature, analyze
+from peat_jax._src.errors import PeatError
 
 TINY32 = np.float32(np.finfo(np.float32).smallest_subnormal)
 SHAPE = (16, 32)   # most tests share one shape: one compile of the analysis
@@ -258,7 +258,7 @@ def _faulty(kind: str, g: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("shape", [(7,), (1, 1), (5, 40), (33, 33), (3, 200)])
 def test_a_leaf_padded_into_its_bucket_has_the_signature_it_has_alone(shape, dtype,
                                                                       monkeypatch):
-    from peat_jax.analyzer import api
+    from peat_jax._src.analyzer import api
     r = _normal(3, shape).astype(np.float64)
     g = np.asarray(jnp.asarray(r).astype(dtype))
     kinds = ["noise", "one", "last_row", "scale", "nan"] + (

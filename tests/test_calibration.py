@@ -1,4 +1,4 @@
-"""Calibration of the detector: every fault of `peat_jax.faults`, applied to a correct op, is
+"""Calibration of the detector: every fault of `peat_jax._src.faults`, applied to a correct op, is
 diagnosed as its own model (the confusion matrix of injected x detected model has an empty
 off-diagonal), over float32 / bfloat16 / float16 and several shapes; correct alternatives
 (another reduction order, jax's shipped Pallas layer_norm and attention in interpret mode) pass.
@@ -16,17 +16,17 @@ import numpy as np
 import pytest
 from jax import lax
 
-from peat_jax import faults as F
-from peat_jax.analyzer import analyze
-from peat_jax.check import check_kernel
-from peat_jax.detector import MODELS, detect
-from peat_jax.kernels import blocked_matmul, references
-from peat_jax.sites import Site
+from peat_jax._src import faults as F
+from peat_jax._src.analyzer import analyze
+from peat_jax._src.check import check_kernel
+from peat_jax._src.detector import MODELS, detect
+from peat_jax._src.kernels import blocked_matmul, references
+from peat_jax._src.sites import Site
 
 DN = (((1,), (0,)), ((), ()))
 
 # A fault's name is the model it emulates, except stuck_at, which the detector reports as
-# bit_flip (pattern "stuck_at"): see peat_jax.detector.
+# bit_flip (pattern "stuck_at"): see peat_jax._src.detector.
 EXPECTED = {"stuck_at": "bit_flip"}
 
 
@@ -47,8 +47,8 @@ def _sum_site(x):
 
 
 def _fault_list(dtype, out_shape, op: str):
-    """(fault, label) pairs for one op: every constructor of peat_jax.faults at least once where
-    it applies (precision faults only where the dtype has a narrower format below it)."""
+    """(fault, label) pairs for one op: every constructor of peat.faults at least once where it
+    applies (precision faults only where the dtype has a narrower format below it)."""
     bits, nmant = jnp.finfo(dtype).bits, jnp.finfo(dtype).nmant
     m, n = (1, out_shape[0]) if len(out_shape) == 1 else out_shape
     fs = [

@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from peat_jax._jax import cache_size
-from peat_jax.analyzer import device
-from peat_jax.check import VARIANTS, VJP_FORWARD, check_kernel, make_variant
-from peat_jax.errors import PeatError
-from peat_jax.kernels import pallas_matmul
-from peat_jax.pytest_plugin import PeatCheck
-from peat_jax.testing import assert_kernel_matches
+from peat_jax._src._jax import cache_size
+from peat_jax._src.analyzer import device
+from peat_jax._src.check import VARIANTS, VJP_FORWARD, check_kernel, make_variant
+from peat_jax._src.errors import PeatError
+from peat_jax._src.kernels import pallas_matmul
+from peat_jax._src.pytest_plugin import PeatCheck
+from peat_jax._src.testing import assert_kernel_matches
 
 # Square operands: the output and both gradients share one shape (one compile of the analysis).
 A = jax.random.normal(jax.random.key(0), (24, 24))
@@ -132,7 +132,7 @@ def test_a_jitted_candidate_compiles_one_program_per_new_shape(paired, monkeypat
     """Its forward and backward as one program (eagerly, `jax.vjp` of a jitted function
     compiles a linearised forward and a transposed backward, and its plain call one more);
     small, the example's shapes and the odd variant's as one program (`_Pairing`)."""
-    from peat_jax.check import programs
+    from peat_jax._src.check import programs
     if not paired:
         monkeypatch.setattr(programs, "PAIR_MAX_ELEMENTS", 0)
     compiled = []
@@ -473,7 +473,7 @@ def test_fixture_defaults_come_from_the_command_line():
 
 
 def _pallas_mm():
-    from peat_jax.kernels.pallas.matmul import matmul
+    from peat_jax._src.kernels.pallas.matmul import matmul
     return jax.jit(lambda a, b: matmul(a, b, block_m=8, block_n=8, block_k=8))
 
 
@@ -481,7 +481,7 @@ def _pallas_mm():
 def test_the_paired_program_computes_what_each_shape_computes_alone():
     """Each half of the pair program is bitwise the program of that shape alone (forward,
     forward under vjp, gradients): pairing changes what is compiled, not what is computed."""
-    from peat_jax.check import programs
+    from peat_jax._src.check import programs
     cand = _pallas_mm()
     rng = np.random.default_rng(0)
     halves = []
@@ -502,7 +502,7 @@ def test_a_small_check_builds_the_candidate_once_for_both_shapes(monkeypatch):
     """A jitted candidate checked on small inputs compiles one program for the example's shapes
     and the odd variant's (not one each), and the check's verdict and every check's model are
     those of the check without pairing."""
-    from peat_jax.check import programs
+    from peat_jax._src.check import programs
     a = np.random.default_rng(1).standard_normal((16, 24)).astype(np.float32)
     b = np.random.default_rng(2).standard_normal((24, 8)).astype(np.float32)
     cand = _pallas_mm()

@@ -122,8 +122,8 @@ def test_check_runs_a_bundled_region_kernel_against_its_reference():
 def test_a_command_runs_with_the_heap_it_found_frozen_and_leaves_it_as_it_was(monkeypatch):
     """A full garbage collection during a command scans only what the command made (the CLI
     freezes jax's objects for it); afterwards the heap is as before, a caller's freeze kept."""
-    from peat_jax import cli
-    from peat_jax.cli import parser
+    from peat_jax._src import cli
+    from peat_jax._src.cli import parser
     if gc.get_freeze_count() > cli.FROZEN_AT_IMPORT:
         pytest.skip("something in this process froze objects already")
     seen = []

@@ -8,8 +8,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from peat_jax import cli, kernel_spec
-from peat_jax.errors import PeatError
+from peat_jax._src import cli, kernel_spec
+from peat_jax._src.errors import PeatError
 
 TESTS = pathlib.Path(__file__).resolve().parent
 QKV = "1x4x1x4,1x4x1x4,1x4x1x4"   # [batch, length, heads, head_dim], three times

@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 
 import peat_jax as peat
-from peat_jax.check import (CONDITIONING_PERTURBATIONS, VARIANTS, conditioning_spread,
-                            float64_evidence, perturb_inputs, perturbation_spread)
-from peat_jax.kernels import references
+from peat_jax._src.check import VARIANTS
+from peat_jax._src.judge.conditioning import (CONDITIONING_PERTURBATIONS, conditioning_spread,
+                                              perturb_inputs, perturbation_spread)
+from peat_jax._src.judge.float64 import float64_evidence
+from peat_jax._src.kernels import references
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

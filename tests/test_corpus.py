@@ -8,9 +8,10 @@ import importlib.util
 import pytest
 
 import peat_jax as peat
-from peat_jax.kernels import pallas as pk
+from peat_jax._src.kernels import pallas as pk
 from corpus import ENTRIES, by_name
 from corpus import bugs, correct
+from peat_jax._src import taxonomy
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -41,7 +42,7 @@ def test_buggy_kernel_fails_with_its_model(entry):
         assert ev["error_float64"] >= 0.5 * float(ev["error"]) > 0
     if entry.backward:                       # the forward is right, the gradient is not
         checks = {(v, o): m for v, o, m in ev["checks"]}
-        assert checks[("example", "forward")] in peat.detector.PASSING
+        assert checks[("example", "forward")] in taxonomy.PASSING
         assert ev["origin"]["output"] == "grad[0]"
 
 
@@ -56,7 +57,7 @@ def test_the_corpus_covers_both_kinds_and_names_are_unique():
     assert len(names) == len(set(names))
     assert {e.kind for e in ENTRIES} == {"bug", "correct"}
     assert all(e.expected == "pass" for e in ENTRIES if e.kind == "correct")
-    assert all(e.expected in peat.detector.MODELS for e in ENTRIES if e.kind == "bug")
+    assert all(e.expected in taxonomy.MODELS for e in ENTRIES if e.kind == "bug")
 
 
 def test_the_one_pass_variance_passes_where_nothing_cancels():

@@ -8,12 +8,12 @@ import pathlib
 import numpy as np
 import pytest
 
-from peat_jax import faults as F
-from peat_jax.analyzer import analyze
-from peat_jax.analyzer.noise import distribution_ok
-from peat_jax.detector import (CHECK_MODELS, MODELS, PASSING, RULES, Diagnosis, bitwise_equal,
-                               detect)
-from peat_jax.errors import PeatError
+from peat_jax._src import faults as F
+from peat_jax._src.analyzer import analyze
+from peat_jax._src.analyzer.noise import distribution_ok
+from peat_jax._src.detector import (CHECK_MODELS, MODELS, PASSING, RULES, Diagnosis, bitwise_equal,
+                                    detect)
+from peat_jax._src.errors import PeatError
 
 SHAPE = (16, 32)
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "error_models.md"

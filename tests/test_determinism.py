@@ -8,8 +8,8 @@ import optax
 import pytest
 
 import peat_jax as peat
-from peat_jax.profiler.golden import profile
-from peat_jax.profiler.playback import playback
+from peat_jax._src.profiler.golden import profile
+from peat_jax._src.profiler.playback import playback
 
 _RNG = np.random.default_rng()  # unseeded on purpose: a reference that differs run to run
 

@@ -15,11 +15,11 @@ import time
 import pytest
 
 import peat_jax as peat
-from peat_jax import cli
-from peat_jax.errors import PeatError
-from peat_jax.profiler import distributed
-from peat_jax.profiler.campaign import merged_records
-from peat_jax.profiler.playback import playback
+from peat_jax._src import cli
+from peat_jax._src.errors import PeatError
+from peat_jax._src.profiler import distributed
+from peat_jax._src.profiler.campaign import merged_records
+from peat_jax._src.profiler.playback import playback
 
 FAULT = "scale(2.0)"
 COMPARED = ("checkpoint", "site", "candidate", "status", "local", "effect", "effect_leaf", "loss",
@@ -180,7 +180,7 @@ _PROBE = """
 import sys
 import jax, jax.numpy as jnp
 import peat_jax as peat
-from peat_jax.profiler import distributed
+from peat_jax._src.profiler import distributed
 i, coordinator, cache = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 distributed.start(distributed.Processes(index=i, count=2, coordinator=coordinator), timeout=60)
 peat.enable_compilation_cache(cache)

@@ -11,10 +11,10 @@ import optax
 import pytest
 
 import peat_jax as peat
-from peat_jax import taxonomy
-from peat_jax.profiler.effect import Effect
-from peat_jax.profiler.golden import profile
-from peat_jax.profiler.playback import playback
+from peat_jax._src import taxonomy
+from peat_jax._src.profiler.effect import Effect
+from peat_jax._src.profiler.golden import profile
+from peat_jax._src.profiler.playback import playback
 
 _W2_GRAD = (3, 16)  # the head's weight gradient (transposed): one backward dot_general
 

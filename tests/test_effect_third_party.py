@@ -17,8 +17,8 @@ import optax
 import pytest
 
 import peat_jax as peat
-from peat_jax.profiler.golden import profile
-from peat_jax.profiler.playback import playback
+from peat_jax._src.profiler.golden import profile
+from peat_jax._src.profiler.playback import playback
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning"),

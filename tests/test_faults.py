@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from peat_jax import faults as F
+from peat_jax._src import faults as F
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 SHAPES = [(8,), (4, 6), (2, 3, 5), (33, 17)]

@@ -7,9 +7,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from peat_jax.errors import PeatError
-from peat_jax.formats import (TF32, bit_class, bit_classes, float_format, from_bits, to_bits,
-                              ulp_of_magnitude, ulp_of_value)
+from peat_jax._src.errors import PeatError
+from peat_jax._src.formats import (TF32, bit_class, bit_classes, float_format, from_bits, to_bits,
+                                   ulp_of_magnitude, ulp_of_value)
 
 
 @pytest.mark.parametrize("name, bits, nexp, nmant, uint, scalar", [

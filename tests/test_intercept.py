@@ -17,7 +17,7 @@ from flax.linen import attention as flax_attention
 from flax.linen.attention import dot_product_attention_weights   # as model libraries import it
 
 import peat_jax as peat
-from peat_jax import cli
+from peat_jax._src import cli
 
 DPA = "jax.nn.dot_product_attention"
 FLAX_DPA = "flax.linen.dot_product_attention"

@@ -15,14 +15,14 @@ import pytest
 
 import peat_jax as peat
 from peat_jax import models
-from peat_jax.profiler import golden as golden_mod
-from peat_jax.profiler import hostio
-from peat_jax.profiler import lock as lk
-from peat_jax.profiler.campaign import Campaign
-from peat_jax.profiler.golden import profile, restore
-from peat_jax.profiler.ioerrors import as_oserror
-from peat_jax.profiler.playback import playback
-from peat_jax.profiler.rundir import MissingCheckpoint, RunDir, read_jsonl
+from peat_jax._src.profiler import golden as golden_mod
+from peat_jax._src.profiler import hostio
+from peat_jax._src.profiler import lock as lk
+from peat_jax._src.profiler.campaign import Campaign
+from peat_jax._src.profiler.golden import profile, restore
+from peat_jax._src.profiler.ioerrors import as_oserror
+from peat_jax._src.profiler.playback import playback
+from peat_jax._src.profiler.rundir import MissingCheckpoint, RunDir, read_jsonl
 
 CONFIG = {"batch_size": 16, "width": 8, "hidden": 32}  # conftest.small_vision_run's workload
 SELECTOR = "fwd:dot_general"  # 2 sites
@@ -140,8 +140,8 @@ def test_full_disk_in_a_campaign_keeps_its_finished_cells_and_the_rerun_complete
 def test_cli_prints_one_line_for_a_full_disk(own_run, tmp_path):
     driver = textwrap.dedent("""
         import errno, sys
-        from peat_jax import cli
-        from peat_jax.profiler.campaign import Campaign
+        from peat_jax._src import cli
+        from peat_jax._src.profiler.campaign import Campaign
         real, calls = Campaign.record, []
         def record(self, records):
             calls.append(1)
@@ -217,13 +217,13 @@ def test_quiet_drops_only_abandoned_tensorstore_io(caplog, message, dropped):
 
 
 def test_read_only_directory_is_one_line_and_nothing_is_written(own_run, monkeypatch):
-    real = lk._open
+    real = lk.open_file
 
     def read_only(path, flags):
         if flags & os.O_CREAT:
             raise OSError(errno.EROFS, "Read-only file system")
         return real(path, flags)
-    monkeypatch.setattr(lk, "_open", read_only)
+    monkeypatch.setattr(lk, "open_file", read_only)
     with pytest.raises(peat.PeatError) as e:
         playback(own_run, _sub(), checkpoints=[0], name="ro")
     msg = str(e.value)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import peat_jax as peat
-from peat_jax.profiler.playback import CellTimeout, playback
-from peat_jax.profiler.rundir import to_json
+from peat_jax._src.profiler.playback import CellTimeout, playback
+from peat_jax._src.profiler.rundir import to_json
 
 TESTS = pathlib.Path(__file__).parent
 

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from peat_jax.analyzer import RoundingFloor
-from peat_jax.judge.site import NoFloat64Candidate, SiteOp, judge_site
-from peat_jax.promote import traced_eqn, widened_eqn
+from peat_jax._src.analyzer import RoundingFloor
+from peat_jax._src.judge.site import NoFloat64Candidate, SiteOp, judge_site
+from peat_jax._src.promote import traced_eqn, widened_eqn
 
 RNG = np.random.default_rng(0)
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import peat_jax as peat
-from peat_jax import cli
-from peat_jax._jax import ffi_platform
-from peat_jax.kernels import ffi
+from peat_jax._src import cli
+from peat_jax._src._jax import ffi_platform
+from peat_jax._src.kernels import ffi
 
 TOL = {jnp.float32: 1e-5, jnp.float16: 1e-2, jnp.bfloat16: 6e-2}  # as in test_kernels_pallas
 
@@ -43,7 +43,7 @@ def test_library_is_built_from_source_and_cached(kernel, cache_dir):
     libs = sorted(cache_dir.glob("libnaive_matmul-*.so"))
     assert len(libs) == 1  # built by this run (the fixture's fresh directory)
     mtime = libs[0].stat().st_mtime_ns
-    src = ffi._CSRC / "naive_matmul.cc"
+    src = ffi.CSRC / "naive_matmul.cc"
     again = ffi.build_ffi_library(src, "naive_matmul", cache_dir=cache_dir)
     assert again == libs[0] and again.stat().st_mtime_ns == mtime  # reused, not rebuilt
     other = ffi.build_ffi_library(src, "naive_matmul", cache_dir=cache_dir, extra_flags=["-DX=1"])
@@ -101,7 +101,7 @@ def test_ffi_matmul_trains_a_model(kernel, linen_train, mlp_data):
 
 
 def test_ffi_kernel_with_a_user_vjp(cache_dir):
-    lib = ffi.build_ffi_library(ffi._CSRC / "naive_matmul.cc", "naive_matmul", cache_dir=cache_dir)
+    lib = ffi.build_ffi_library(ffi.CSRC / "naive_matmul.cc", "naive_matmul", cache_dir=cache_dir)
     k = ffi.ffi_kernel(lib, "NaiveMatmul",
                        lambda a, b: jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), jnp.float32),
                        name="mm", vjp=lambda ops, out, g: (g @ ops[1].T, ops[0].T @ g))
@@ -162,7 +162,7 @@ class _Runs:
 def test_bundled_cuda_source_compiles_with_nvcc_and_is_cached(cache_dir, monkeypatch):
     runs = _Runs(monkeypatch)
     t0 = time.perf_counter()
-    lib = ffi.build_cuda_library(ffi._CSRC / "naive_matmul.cu", "naive_matmul_cuda",
+    lib = ffi.build_cuda_library(ffi.CSRC / "naive_matmul.cu", "naive_matmul_cuda",
                                  cache_dir=cache_dir)
     first = time.perf_counter() - t0
     (cmd,) = runs.compiles()
@@ -171,12 +171,12 @@ def test_bundled_cuda_source_compiles_with_nvcc_and_is_cached(cache_dir, monkeyp
     data = lib.read_bytes()
     assert b"NaiveMatmul\0" in data and b"NaiveMatmulTileBug\0" in data  # exported handlers
     t0 = time.perf_counter()
-    again = ffi.build_cuda_library(ffi._CSRC / "naive_matmul.cu", "naive_matmul_cuda",
+    again = ffi.build_cuda_library(ffi.CSRC / "naive_matmul.cu", "naive_matmul_cuda",
                                    cache_dir=cache_dir)
     hit = time.perf_counter() - t0
     assert again == lib and len(runs.compiles()) == 1  # cache hit: nvcc --version only
     print(f"nvcc build {first:.1f} s, cache hit {hit:.3f} s")
-    other = ffi.build_ffi_library(ffi._CSRC / "naive_matmul.cu", "naive_matmul_cuda",
+    other = ffi.build_ffi_library(ffi.CSRC / "naive_matmul.cu", "naive_matmul_cuda",
                                   cache_dir=cache_dir)  # a .cu handed on to nvcc: same key
     assert other == lib
 
@@ -246,7 +246,7 @@ def _exported(lib) -> set[str]:
 def test_bundled_hip_source_compiles_for_gfx90a_and_is_cached(cache_dir, monkeypatch):
     runs = _Runs(monkeypatch)
     t0 = time.perf_counter()
-    lib = ffi.build_rocm_library(ffi._CSRC / "naive_matmul.hip", "naive_matmul_rocm",
+    lib = ffi.build_rocm_library(ffi.CSRC / "naive_matmul.hip", "naive_matmul_rocm",
                                  cache_dir=cache_dir)
     first = time.perf_counter() - t0
     (cmd,) = runs.compiles()
@@ -257,13 +257,13 @@ def test_bundled_hip_source_compiles_for_gfx90a_and_is_cached(cache_dir, monkeyp
     assert b"NaiveMatmul\0" in data and b"NaiveMatmulTileBug\0" in data
     assert b"amdgcn-amd-amdhsa--gfx90a" in data  # a gfx90a code object in the offload bundle
     t0 = time.perf_counter()
-    again = ffi.build_rocm_library(ffi._CSRC / "naive_matmul.hip", "naive_matmul_rocm",
+    again = ffi.build_rocm_library(ffi.CSRC / "naive_matmul.hip", "naive_matmul_rocm",
                                    cache_dir=cache_dir)
     hit = time.perf_counter() - t0
     assert again == lib and len(runs.compiles()) == 1  # cache hit: hipcc --version only
     print(f"hipcc build {first:.1f} s ({' '.join(a for a in cmd if 'offload-arch' in a)}), "
           f"cache hit {hit:.3f} s")
-    other = ffi.build_ffi_library(ffi._CSRC / "naive_matmul.hip", "naive_matmul_rocm",
+    other = ffi.build_ffi_library(ffi.CSRC / "naive_matmul.hip", "naive_matmul_rocm",
                                   cache_dir=cache_dir)  # a .hip handed on to hipcc: same key
     assert other == lib
 
@@ -325,12 +325,12 @@ def test_rocm_arch_flags(monkeypatch):
     with pytest.raises(peat.PeatError, match="names no AMD GPU architecture"):
         ffi.rocm_arch_flags([])
     # by default: those of ROCM_ARCHS the compiler accepts (Debian's hipcc 5.2 has no gfx942)
-    monkeypatch.setattr(ffi, "_hipcc_accepts", lambda hipcc, arch: arch != "gfx942")
+    monkeypatch.setattr(ffi, "hipcc_accepts", lambda hipcc, arch: arch != "gfx942")
     assert ffi.rocm_arch_flags(hipcc="/x/hipcc") == ["--offload-arch=gfx90a"]
-    monkeypatch.setattr(ffi, "_hipcc_accepts", lambda hipcc, arch: True)
+    monkeypatch.setattr(ffi, "hipcc_accepts", lambda hipcc, arch: True)
     assert ffi.rocm_arch_flags(hipcc="/x/hipcc") == ["--offload-arch=gfx90a",
                                                      "--offload-arch=gfx942"]
-    monkeypatch.setattr(ffi, "_hipcc_accepts", lambda hipcc, arch: False)
+    monkeypatch.setattr(ffi, "hipcc_accepts", lambda hipcc, arch: False)
     with pytest.raises(peat.PeatError, match="accepts none of the default"):
         ffi.rocm_arch_flags(hipcc="/x/hipcc")
 
@@ -345,10 +345,10 @@ def test_default_rocm_archs_are_those_hipcc_accepts():
 def test_gpu_sources_go_to_their_own_platform(tmp_path):
     with pytest.raises(peat.PeatError, match="naive_matmul.hip is a HIP source: pass it as "
                                              "rocm=, not as the CPU library"):
-        ffi.ffi_target(ffi._CSRC / "naive_matmul.hip", "NaiveMatmul", cache_dir=tmp_path)
+        ffi.ffi_target(ffi.CSRC / "naive_matmul.hip", "NaiveMatmul", cache_dir=tmp_path)
     with pytest.raises(peat.PeatError, match="naive_matmul.cu is a CUDA source: pass it as "
                                              "cuda=, not as the CPU library"):
-        ffi.ffi_target(ffi._CSRC / "naive_matmul.cu", "NaiveMatmul", cache_dir=tmp_path)
+        ffi.ffi_target(ffi.CSRC / "naive_matmul.cu", "NaiveMatmul", cache_dir=tmp_path)
 
 
 @pytest.mark.skipif(HAVE_GPU, reason="the backend is CUDA: a CUDA-only kernel has its "
@@ -356,10 +356,10 @@ def test_gpu_sources_go_to_their_own_platform(tmp_path):
 def test_a_backend_without_an_implementation_is_refused_before_the_call():
     # CUDA only: on a CPU backend the .cu file is neither built nor loaded (so no nvcc is
     # needed), and calling it is an error before any ffi_call
-    k = ffi.ffi_kernel(None, "NaiveMatmul", cuda=ffi._CSRC / "naive_matmul.cu", name="cuda_mm",
+    k = ffi.ffi_kernel(None, "NaiveMatmul", cuda=ffi.CSRC / "naive_matmul.cu", name="cuda_mm",
                        nvcc="/no/such/nvcc")
     assert ffi.registered_platforms(ffi.ffi_target(
-        None, "NaiveMatmul", cuda=ffi._CSRC / "naive_matmul.cu")) == frozenset()
+        None, "NaiveMatmul", cuda=ffi.CSRC / "naive_matmul.cu")) == frozenset()
     a = jnp.ones((4, 4))
     with pytest.raises(peat.PeatError, match=r"cuda_mm has no cpu implementation registered "
                                              r"\(it has: none\).*JAX_PLATFORMS"):
@@ -370,7 +370,7 @@ def test_a_backend_without_an_implementation_is_refused_before_the_call():
                     "implementation here")
 def test_a_rocm_only_kernel_is_neither_built_nor_called_elsewhere():
     # on a backend other than ROCm the .hip file is neither built nor loaded (no hipcc needed)
-    k = ffi.ffi_kernel(None, "NaiveMatmul", rocm=ffi._CSRC / "naive_matmul.hip", name="rocm_mm",
+    k = ffi.ffi_kernel(None, "NaiveMatmul", rocm=ffi.CSRC / "naive_matmul.hip", name="rocm_mm",
                        hipcc="/no/such/hipcc")
     a = jnp.ones((4, 4))
     with pytest.raises(peat.PeatError, match=rf"rocm_mm has no {ffi_platform()} implementation "

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import peat_jax as peat
-from peat_jax.kernels import foreign
+from peat_jax._src.kernels import foreign
 
 try:
     import torch

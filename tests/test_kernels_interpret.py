@@ -15,8 +15,8 @@ import pytest
 from jax.experimental import pallas as pl
 
 import peat_jax as peat
-from peat_jax.kernels import pallas as pk
-from peat_jax.kernels import references
+from peat_jax._src.kernels import pallas as pk
+from peat_jax._src.kernels import references
 
 
 @pytest.fixture(autouse=True)

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import peat_jax as peat
-from peat_jax.kernels import pallas as pk
-from peat_jax.kernels import references
+from peat_jax._src.kernels import pallas as pk
+from peat_jax._src.kernels import references
 
 TOL = {jnp.float32: 1e-5, jnp.float16: 1e-2, jnp.bfloat16: 6e-2}
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]

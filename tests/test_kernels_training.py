@@ -14,8 +14,8 @@ import optax
 import pytest
 
 import peat_jax as peat
-from peat_jax.kernels import pallas as pk
-from peat_jax.kernels import references
+from peat_jax._src.kernels import pallas as pk
+from peat_jax._src.kernels import references
 
 VOCAB, D, HEADS, B, T, STEPS = 13, 16, 2, 4, 8, 20
 

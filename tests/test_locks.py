@@ -19,10 +19,10 @@ import pytest
 
 import peat_jax as peat
 from peat_jax import models
-from peat_jax.profiler import lock as lk
-from peat_jax.profiler.golden import profile
-from peat_jax.profiler.playback import playback
-from peat_jax.profiler.runtime import runtime
+from peat_jax._src.profiler import lock as lk
+from peat_jax._src.profiler.golden import profile
+from peat_jax._src.profiler.playback import playback
+from peat_jax._src.profiler.runtime import runtime
 
 CONFIG = {"batch_size": 16, "width": 8, "hidden": 32}
 STEPS, EVERY = 60, 20         # the shared small vision run's (conftest.small_vision_run)
@@ -106,7 +106,7 @@ def test_shares_of_one_campaign_exclude_each_other_only_where_their_cells_overla
         for i, n in ((1, 4), (1, 3), (0, 1)):
             with pytest.raises(lk.LockHeld,
                                match=r"share of the grid \(process 0 of 2\) "
-                                     rf"overlaps this one's \({lk._share_text((i, n))}"):
+                                     rf"overlaps this one's \({lk.share_text((i, n))}"):
                 share(i, n).acquire()
             assert not (camp / f"{lk.LOCK}.p{i}-of-{n}").exists()
     with share(0, 1):  # the whole campaign once the shares are done
@@ -151,7 +151,7 @@ def test_a_child_inherits_the_lock_its_parent_holds_for_it(tmp_path):
     path = tmp_path / "c" / lk.LOCK
     script = textwrap.dedent(f"""
         import os, sys
-        from peat_jax.profiler import lock as lk
+        from peat_jax._src.profiler import lock as lk
         env = os.environ.pop(lk.ENV)
         try:
             lk.RunLock({str(path)!r}, "c").acquire()
@@ -175,7 +175,7 @@ def test_a_child_inherits_the_lock_its_parent_holds_for_it(tmp_path):
 
 _HOLDER = textwrap.dedent("""
     import sys
-    from peat_jax.profiler import lock
+    from peat_jax._src.profiler import lock
     held = [lock.golden_lock(sys.argv[1]).acquire(),
             lock.campaign_lock(sys.argv[1], "busy", (0, 1)).acquire()]
     print("held", flush=True)

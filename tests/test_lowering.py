@@ -21,9 +21,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 import peat_jax as peat
-from peat_jax import _jax, cli, models
-from peat_jax.kernels import pallas as pk
-from peat_jax.lowering import DEFAULT_DEVICES, Lowering, assert_lowers_for, lowers_for
+from peat_jax import models
+from peat_jax._src import _jax, cli
+from peat_jax._src.kernels import pallas as pk
+from peat_jax._src.lowering import DEFAULT_DEVICES, Lowering, assert_lowers_for, lowers_for
 
 S = jax.ShapeDtypeStruct
 F32 = jnp.float32

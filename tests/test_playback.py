@@ -10,8 +10,8 @@ import pytest
 
 import peat_jax as peat
 from peat_jax import models
-from peat_jax.profiler.golden import profile
-from peat_jax.profiler.playback import playback
+from peat_jax._src.profiler.golden import profile
+from peat_jax._src.profiler.playback import playback
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_cells_spread_over_four_devices_give_the_same_verdicts(run, tmp_path):
     import textwrap
     script = textwrap.dedent(f"""
         import json, jax, peat_jax as peat
-        from peat_jax.profiler.playback import playback
+        from peat_jax._src.profiler.playback import playback
         assert len(jax.devices()) == 4
         res = playback({str(run)!r}, {{"dot_general": peat.faults.scale(2.0)}}, checkpoints=[20],
                        name="four")

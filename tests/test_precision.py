@@ -3,9 +3,9 @@ reduced_precision diagnosis names, the run directory's environment and the preci
 run trains (and replays) at, and the Pallas kernels' precision argument.
 
 On CPU XLA ignores the matmul precision (float32 dots are full float32 whatever it says), so a
-GPU's TF32 is emulated by rounding the dot's inputs to TF32 (`peat_jax.formats.round_to_format`,
-what `peat.faults.truncate("tf32")` does); what the precision setting itself changes is checked
-by the precision jax saw while tracing.
+GPU's TF32 is emulated by rounding the dot's inputs to TF32
+(`peat_jax._src.formats.round_to_format`, what `peat.faults.truncate("tf32")` does); what the
+precision setting itself changes is checked by the precision jax saw while tracing.
 """
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 
 import peat_jax as peat
-from peat_jax.check import check_kernel
-from peat_jax.detector import detect, narrowed
-from peat_jax.errors import PeatError
-from peat_jax.formats import NARROW_FORMATS, narrow_formats_like, round_to_format
-from peat_jax.precision import at_matmul_precision, current_matmul_precision, matmul_precision
-from peat_jax.profiler.golden import profile
-from peat_jax.profiler.rundir import environment, recorded_precision
-from peat_jax.testing import assert_kernel_matches
+from peat_jax._src.check import check_kernel
+from peat_jax._src.detector import detect, narrowed
+from peat_jax._src.errors import PeatError
+from peat_jax._src.formats import NARROW_FORMATS, narrow_formats_like, round_to_format
+from peat_jax._src.precision import at_matmul_precision, current_matmul_precision, matmul_precision
+from peat_jax._src.profiler.golden import profile
+from peat_jax._src.profiler.rundir import environment, recorded_precision
+from peat_jax._src.testing import assert_kernel_matches
 
 SHAPES = [((32, 96), (96, 24)), ((24, 200), (200, 40))]
 
@@ -330,8 +330,8 @@ def test_pallas_kernels_dot_at_full_float32_by_default():
     with pytest.raises(PeatError, match="precision='tf32' is not a matmul precision"):
         pk.pallas_matmul(precision="tf32")
 
-    from peat_jax.kernels.pallas.attention import attention
-    from peat_jax.kernels.pallas.matmul import matmul
+    from peat_jax._src.kernels.pallas.attention import attention
+    from peat_jax._src.kernels.pallas.matmul import matmul
     a = jnp.ones((16, 16))
     q = jnp.ones((1, 16, 1, 16))
     assert _dot_precisions(lambda a: matmul(a, a), a) == {"HIGHEST"}

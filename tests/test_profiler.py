@@ -11,8 +11,9 @@ import pytest
 import peat_jax as peat
 from conftest import bitwise_equal
 from peat_jax import models
-from peat_jax.profiler.golden import profile, restore
-from peat_jax.profiler.runtime import classify_outcome, runtime
+from peat_jax._src.profiler.golden import profile, restore
+from peat_jax._src.profiler.runtime import classify_outcome, runtime
+from peat_jax._src import taxonomy
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def test_runtime_exponent_bit_flip_every_10th_step_is_classified(golden):
     fault = peat.faults.bit_flip(bit=30)  # the top exponent bit: x * 2**128 or a tiny value
     r = runtime(run, {"fwd:dot_general": fault}, peat.every(10, offset=4), steps=30)
     assert r.fired_steps == (4, 14, 24)
-    assert r.outcome != "masked" and r.outcome in peat.profiler.OUTCOMES
+    assert r.outcome != "masked" and r.outcome in taxonomy.OUTCOMES
     assert r.losses[:4] == r.golden_losses[:4]  # identical before the first firing step
     assert r.evidence["compiles"] == 1
 
@@ -144,7 +145,7 @@ def test_classify_outcome_rules(name, make):
 
 
 def test_compare_runs_names_first_diverging_step_and_metric(golden, vision, tmp_path):
-    from peat_jax.profiler.compare import compare_runs
+    from peat_jax._src.profiler.compare import compare_runs
     _, run = golden
     twin = tmp_path / "twin"
     profile(vision, twin, steps=30, checkpoint_every=10)

@@ -1,4 +1,4 @@
-"""peat_jax.promote.widened: a JAX function's float64 shadow (the float64 reference of a
+"""peat_jax._src.promote.widened: a JAX function's float64 shadow (the float64 reference of a
 reference that pins a narrower dtype)."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from peat_jax.errors import PeatError
-from peat_jax.kernels import pallas_matmul
-from peat_jax.promote import widened, widened_eqn
+from peat_jax._src.errors import PeatError
+from peat_jax._src.kernels import pallas_matmul
+from peat_jax._src.promote import widened, widened_eqn
 
 DIMS = (((1,), (0,)), ((), ()))
 

@@ -23,10 +23,10 @@ import pytest
 import peat_jax as peat
 from conftest import bitwise_equal
 from peat_jax import models
-from peat_jax.profiler.golden import profile, restore
-from peat_jax.profiler.playback import playback
-from peat_jax.profiler.rundir import read_jsonl
-from peat_jax.profiler.runtime import runtime
+from peat_jax._src.profiler.golden import profile, restore
+from peat_jax._src.profiler.playback import playback
+from peat_jax._src.profiler.rundir import read_jsonl
+from peat_jax._src.profiler.runtime import runtime
 
 PACKAGE = pathlib.Path(peat.__file__).resolve().parent
 REPO = PACKAGE.parent
@@ -180,7 +180,7 @@ def test_killed_golden_run_with_statistics_resumes_to_the_same_statistics(vision
     """The statistics of the steps between the checkpoint resumed from and the kill (a chunk
     written just before its checkpoint, whose save the kill cut, included) are dropped and
     recorded again: the same files and bitwise the same statistics as an uninterrupted run."""
-    from peat_jax.profiler.site_stats import read_step, recorded_steps
+    from peat_jax._src.profiler.site_stats import read_step, recorded_steps
     straight = tmp_path / "straight"
     profile(vision, straight, steps=STEPS, checkpoint_every=EVERY, stats_every=1)
     killed, cut = tmp_path / "killed", tmp_path / "cut"
@@ -459,7 +459,7 @@ def test_golden_metrics_with_a_damaged_line_is_an_error_not_a_shifted_curve(gold
 
 _CLI_DRIVER = textwrap.dedent("""
     import contextlib, io, json, sys, traceback
-    from peat_jax.cli import main
+    from peat_jax._src.cli import main
     for argv in json.loads(sys.argv[1]):
         err, out = io.StringIO(), io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
@@ -609,7 +609,7 @@ def test_package_never_unpickles_or_evaluates():
     found = [hit for f in files for hit in _unsafe_uses(f.read_text(), str(f.relative_to(REPO)))]
     assert found == []
     # Orbax restores take the abstract target of the workload's state (shapes, dtypes, key types)
-    golden_src = (PACKAGE / "profiler" / "golden.py").read_text()
+    golden_src = (PACKAGE / "_src" / "profiler" / "golden.py").read_text()
     restores = re.findall(r"\.restore\(([^)]*\)?)\)", golden_src)
     assert restores and all("StandardRestore(target)" in r for r in restores), restores
     assert "_abstract_state(wl" in golden_src and "jax.eval_shape(workload.init" in golden_src
@@ -617,7 +617,7 @@ def test_package_never_unpickles_or_evaluates():
 
 _SENTINEL_DRIVER = textwrap.dedent("""
     import contextlib, io, json, os, sys
-    from peat_jax.cli import main
+    from peat_jax._src.cli import main
     out = []
     for argv in json.loads(sys.argv[1]):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -653,7 +653,7 @@ def test_cli_imports_user_code_only_when_named_as_module_attribute(tmp_path):
 
 
 def test_atomic_write_leaves_the_old_file_whole_when_the_writer_fails(tmp_path):
-    from peat_jax.profiler.rundir import atomic_write
+    from peat_jax._src.profiler.rundir import atomic_write
     path = tmp_path / "f.bin"
     atomic_write(path, lambda f: f.write(b"old"), binary=True)
 

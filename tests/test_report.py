@@ -8,8 +8,8 @@ import pytest
 
 import peat_jax as peat
 from peat_jax import models
-from peat_jax.profiler.golden import profile
-from peat_jax.report import render_report, write_report
+from peat_jax._src.profiler.golden import profile
+from peat_jax._src.report import render_report, write_report
 
 
 def _doubling(name: str) -> peat.Kernel:

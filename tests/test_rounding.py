@@ -1,4 +1,4 @@
-"""The rounding floor: Monte Carlo arithmetic on the reference (`peat_jax.judge.rounding`), its
+"""The rounding floor: Monte Carlo arithmetic on the reference (`peat_jax._src.judge.rounding`), its
 place in `analyze` and in `check_kernel`'s verdict."""
 import jax
 import jax.numpy as jnp
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import peat_jax as peat
-from peat_jax.analyzer import RoundingFloor, analyze
-from peat_jax.errors import PeatError
-from peat_jax.judge import ROUNDING_SAMPLES, rounding_samples
+from peat_jax._src.analyzer import RoundingFloor, analyze
+from peat_jax._src.errors import PeatError
+from peat_jax._src.judge import ROUNDING_SAMPLES, rounding_samples
 
 RNG = np.random.default_rng(0)
 A = RNG.standard_normal((24, 40)).astype(np.float32)
@@ -184,7 +184,7 @@ def test_a_softmax_over_huge_logits_still_has_a_floor():
     """Over logits of ~1e18, additions rounded at their operands' scale move s - max(s) by
     ~1e11 and overflow exp: those samples are not finite. The samples whose additions round at
     their result's scale stay finite, so the floor is not empty."""
-    from peat_jax.judge.rounding import OPERAND_SCALE_SAMPLES
+    from peat_jax._src.judge.rounding import OPERAND_SCALE_SAMPLES
     logits = jnp.asarray((RNG.standard_normal((8, 16)) * 1e18).astype(np.float32))
     samples = np.asarray(rounding_samples(lambda s: jax.nn.softmax(s, axis=-1), (logits,), 0))
     finite = np.isfinite(samples).all(axis=(1, 2))

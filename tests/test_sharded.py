@@ -112,7 +112,7 @@ def _spans(state) -> set:
 def _check_stats_over_shards(wl: peat.Workload, directory: Path) -> None:
     """The step-0 statistics of the first forward GEMM (inside the shard_map): those of the
     whole batch's product, though each shard computed a quarter of it."""
-    from peat_jax.profiler.site_stats import read_sites, read_step
+    from peat_jax._src.profiler.site_stats import read_sites, read_step
     recorded = [s for s in read_sites(directory) if s.recorded]
     first = next(k for k, s in enumerate(recorded)
                  if s.primitive == "dot_general" and s.phase == "fwd")
@@ -127,7 +127,7 @@ def _check_stats_over_shards(wl: peat.Workload, directory: Path) -> None:
 def check_profile_restore_playback(mode: str, run_dir: str) -> dict:
     """Profile, restore with the saved shardings, replay: golden replay bitwise, every site's
     fault seen; runtime injection bitwise until it fires."""
-    from peat_jax.profiler.golden import restore
+    from peat_jax._src.profiler.golden import restore
     assert jax.device_count() == DEVICES, jax.devices()
     wl = sharded_mlp(mode)
     golden = peat.profile(wl, run_dir, steps=4, checkpoint_every=2,
@@ -256,7 +256,7 @@ def _all(run_dir: str) -> dict:
 def test_shard_map_layout_is_read_and_rebuilt_on_this_release():
     """In this process (one device): the equation's layout as it was traced, and its body
     rebuilt with a site substituted."""
-    from peat_jax import _jax
+    from peat_jax._src import _jax
     mesh = Mesh(np.asarray(jax.devices()[:1]), ("data",))
 
     def f(w, x):

@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 
 import peat_jax as peat
-from peat_jax import cli, models
-from peat_jax.profiler.golden import profile, restore
-from peat_jax.profiler.rundir import RunDir
-from peat_jax.profiler.site_stats import (SAMPLE_DENSITY, SAMPLE_SIZE, ChunkWriter, Sampling,
-                                          StatsStep, batch_stats, drop_steps, read_sampling,
-                                          read_sites, read_step, recorded_steps, sample_indices,
-                                          site_stats, unpack, write_chunk, write_sites)
+from peat_jax import models
+from peat_jax._src import cli
+from peat_jax._src.profiler.golden import profile, restore
+from peat_jax._src.profiler.rundir import RunDir
+from peat_jax._src.profiler.site_stats import (SAMPLE_DENSITY, SAMPLE_SIZE, ChunkWriter, Sampling,
+                                               StatsStep, batch_stats, drop_steps, read_sampling,
+                                               read_sites, read_step, recorded_steps,
+                                               sample_indices, site_stats, unpack, write_chunk,
+                                               write_sites)
 
 from conftest import bitwise_equal
 

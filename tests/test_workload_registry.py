@@ -17,8 +17,9 @@ import pytest
 
 import peat_jax as peat
 from conftest import bitwise_equal
-from peat_jax.profiler.golden import load_workload, profile, restore
-from peat_jax.profiler.workload import ENTRY_POINT_GROUP, workload_factory
+from peat_jax._src.profiler.golden import load_workload, profile, restore
+from peat_jax._src.profiler.workload import ENTRY_POINT_GROUP, workload_factory
+from peat_jax._src import taxonomy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,7 +58,7 @@ def test_a_registered_workload_is_rebuilt_from_the_run_directory(tmp_path):
                          restore(tmp_path / "run", 2, workload=wl)["w"])
     r = peat.runtime(tmp_path / "run", {"dot_general": peat.faults.scale(2.0)}, peat.every(2),
                      steps=4)
-    assert r.outcome in peat.profiler.OUTCOMES and len(r.losses) == 4
+    assert r.outcome in taxonomy.OUTCOMES and len(r.losses) == 4
 
 
 def test_a_factory_must_rebuild_a_workload_of_its_name():
@@ -114,7 +115,7 @@ def test_the_bundled_workloads_are_declared_as_entry_points_and_registered_on_im
 
 
 def test_the_profiler_core_does_not_import_the_bundled_models():
-    code = ("import sys, peat_jax, peat_jax.profiler.golden, peat_jax.profiler.playback, "
-            "peat_jax.profiler.runtime; print('peat_jax.models' in sys.modules)")
+    code = ("import sys, peat_jax, peat_jax._src.profiler.golden, peat_jax._src.profiler.playback, "
+            "peat_jax._src.profiler.runtime; print('peat_jax.models' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from peat_jax.kernels import references
+from peat_jax._src.kernels import references
 
 __all__ = ["f32", "matmul", "pallas_matmul", "row_call", "layer_norm", "softmax"]
 

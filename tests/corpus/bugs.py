@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from peat_jax.kernels import pallas as pk
+from peat_jax._src.kernels import pallas as pk
 
 from . import Entry
 from ._common import f32, layer_norm, matmul, pallas_matmul, row_call, softmax

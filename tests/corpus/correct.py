@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import peat_jax as peat
-from peat_jax.kernels import references
+from peat_jax._src.kernels import references
 
 from . import Entry
 from ._common import f32, layer_norm, matmul, pallas_matmul, row_call, softmax
@@ -102,14 +102,14 @@ def padded_ceil_grid_matmul(a, b):
 
 
 def numpy_matmul():
-    return peat.kernels.foreign.numpy_kernel(lambda a, b: a @ b, name="numpy_matmul")
+    return peat.kernels.numpy_kernel(lambda a, b: a @ b, name="numpy_matmul")
 
 
 def torch_layer_norm():
     def ln(x, scale, bias):
         import torch
         return torch.nn.functional.layer_norm(x, x.shape[-1:], scale, bias, eps=1e-6)
-    return peat.kernels.foreign.torch_kernel(ln, name="torch_layer_norm")
+    return peat.kernels.torch_kernel(ln, name="torch_layer_norm")
 
 
 def jax_softmax(x):

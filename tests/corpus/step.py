@@ -19,9 +19,9 @@ import numpy as np
 import optax
 
 import peat_jax as peat
-from peat_jax.kernels import references
-from peat_jax.profiler.golden import profile
-from peat_jax.profiler.workload import Workload
+from peat_jax._src.kernels import references
+from peat_jax._src.profiler.golden import profile
+from peat_jax._src.profiler.workload import Workload
 
 from . import Entry, bugs, correct
 from ._common import layer_norm, matmul, softmax

@@ -98,7 +98,7 @@ def check(entry: Entry, seed: int):
     (one repeat: the corpus is about numerics; nondeterminism has its own tests)."""
     import peat_jax as peat
     try:
-        from peat_jax.kernels import pallas as pk
+        from peat_jax._src.kernels import pallas as pk
         pk.reset_interpret_state()
     except (ImportError, AttributeError):       # an older or newer layout: nothing to reset
         pass

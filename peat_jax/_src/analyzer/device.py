@@ -1,0 +1,212 @@
+"""Device side: the statistics of one leaf (`leaf_stats`): two jitted programs, `shape_program`
+compiled once per shapes, dtypes, device and `Options`, and `sample_program` once per dtypes and
+`Options` (the sample is padded to a fixed size, so every shape shares it).
+
+Stages, in order: the leaf-wide scales of the floor (`elements.leaf_scales`); exact whole-leaf
+counts and maxima (`whole_leaf`); distributions over the sample (`sample.sample_stats`); and,
+only when significant errors exist, the worst elements, the mask's structure and the permutation
+checks (`structure`). What comes back is a `contract.LeafStats`.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import cast
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from peat_jax._src.analyzer.bits import Operand
+from peat_jax._src.analyzer.contract import (ConditioningStats, LeafScales, LeafStats, Options,
+                                             SampleStats, WholeLeaf, view2d)
+from peat_jax._src.analyzer.elements import (Scales, elements, i32, leaf_scales, local_scale_2d,
+                                             sample_index, vreduce)
+from peat_jax._src.analyzer.noise import NOISE_FREE_SHARE, analyzed_format
+from peat_jax._src.analyzer.sample import Gathered, gather_sample, sample_stats
+from peat_jax._src.analyzer.structure import permutation, structure
+from peat_jax._src.formats import FloatFormat
+
+
+def _rare_counts(c, g, r, s: Scales, options: Options, f: FloatFormat, eloc):
+    """(nonfinite c, nonfinite g, new nonfinite, lost nonfinite, flushed, significant flushed,
+    golden flushed, subnormal g) counts, in one reduction."""
+    e = elements(c, g, r, s, options, f, eloc)
+    dc, dg = e.dc, e.dg
+    return vreduce(
+        [i32(dc.nonfinite), i32(dg.nonfinite), i32(dc.nonfinite & ~dg.nonfinite),
+         i32(dg.nonfinite & ~dc.nonfinite), i32(e.flushed), i32(e.significant & e.flushed),
+         i32(e.mismatched & dg.zero & dc.subnormal), i32(dg.subnormal)], ["sum"] * 8, (0, 1))
+
+
+def whole_leaf(c, g, r, s: Scales, options: Options, f: FloatFormat) -> tuple[WholeLeaf, jax.Array]:
+    """Exact whole-leaf counts and maxima of `Operand`s `c`, `g` (and the float64 reference `r`
+    or None), and the significant elements of each row of the 2-D view (int32 [R], kept on the
+    device for `structure`).
+
+    One variadic reduction computes the common counts and maxima; the rare ones (non-finite,
+    subnormal and flush counts) are counted in a second pass only when the first saw any.
+    """
+    R, C, _, _ = view2d(c.shape)
+    c, g = c.reshape(R, C), g.reshape(R, C)
+    r = None if r is None else r.reshape(R, C)
+    eloc = local_scale_2d(s, R, C)
+    el = elements(c, g, r, s, options, f, eloc)
+    dc, dg = el.dc, el.dg
+    rare = dc.nonfinite | dg.nonfinite | dc.subnormal | dg.subnormal
+    zero_f = jnp.zeros((), el.err_cg.dtype)
+    kinds = ["sum", "sum", "sum", "max", "max", "max"]
+    # per row first: XLA:CPU splits a reduction that keeps the rows over its threads, and runs
+    # one to a scalar on a single thread
+    per_row = vreduce(
+        [i32(el.mismatched), i32(el.significant), i32(rare),
+         jnp.where(el.finite, el.err_cg, zero_f),
+         jnp.where(el.finite, el.ratio, 0).astype(el.err_cg.dtype),
+         jnp.where(dc.nan | dg.nan, 0, el.ulp_dist).astype(f.wide_uint)], kinds, (1,))
+    n_mis, n_sig, n_rare, max_abs, max_ratio, max_ulp = vreduce(per_row, kinds, (0,))
+
+    def none(_):
+        return tuple(jnp.zeros((), jnp.int32) for _ in range(8))
+
+    nf_c, nf_g, new_nf, lost_nf, ftz, sig_ftz, gold_fl, sub_g = lax.cond(
+        n_rare > 0, lambda _: _rare_counts(c, g, r, s, options, f, eloc), none, None)
+    padding = c.size - s.rows * s.cols    # a bucket's NaNs, equal in candidate and golden
+    nf_c, nf_g = nf_c - padding, nf_g - padding
+    return WholeLeaf(
+        mismatched=n_mis, significant=n_sig, nonfinite_candidate=nf_c, nonfinite_golden=nf_g,
+        new_nonfinite=new_nf, lost_nonfinite=lost_nf, flushed=ftz,
+        significant_not_flushed=n_sig - sig_ftz, golden_flushed=gold_fl,
+        subnormal_golden=sub_g, max_abs=max_abs, max_floor_ratio=max_ratio,
+        max_ulp=max_ulp), per_row[1]
+
+
+def conditioning_stats(c, g, r, s: Scales, options: Options,
+                       f: FloatFormat) -> ConditioningStats:
+    """The `ConditioningStats` of `Operand`s `c`, `g` against the float64 reference `r`, given
+    the conditioning spread ``s.K``: one more whole-leaf reduction."""
+    R, C, _, _ = view2d(c.shape)
+    el = elements(c.reshape(R, C), g.reshape(R, C), r.reshape(R, C), s, options, f,
+                  local_scale_2d(s, R, C))
+    fin = el.finite
+    decisive = el.mismatched & fin & (el.err > el.noise_floor) & ~(el.err > el.floor)
+    max_ratio, dominant, n_decisive = vreduce(
+        [jnp.where(fin, el.floor / el.noise_floor, 1.0), i32(el.conditioned & fin),
+         i32(decisive)], ["max", "sum", "sum"], (0, 1))
+    return ConditioningStats(max_spread=jnp.max(s.K), max_ratio=max_ratio, dominant=dominant,
+                             decisive=n_decisive)
+
+
+def _median(x, n):
+    """The median of the first `n` (an int, or traced) of the finite values `x`."""
+    v = jnp.sort(jnp.where(jnp.arange(x.shape[0]) < n, x, jnp.inf))
+    return 0.5 * (v[(n - 1) // 2] + v[n // 2])
+
+
+def _relative_tolerance(s: Scales, r, options: Options, f: FloatFormat):
+    """Relative tolerance of ratio tests: twice the typical floor at |g| = rms, relative (at
+    least 4 eps), float32."""
+    typical = s.abs_floor if r is None else options.noise_factor * _median(s.E_row, s.rows)
+    rel_floor = options.ulp_allowance * f.eps + typical / jnp.maximum(s.rms, 1e-30)
+    return jnp.maximum(2.0 * rel_floor, 4.0 * f.eps).astype(jnp.float32)
+
+
+def _in_flat_order(shape, extent):
+    """(flat positions, valid) that gather a bucket's leaf from its padded `shape` in the leaf's
+    own flat order, then padding (the last position, a NaN, as its own sample would be padded)."""
+    rows, cols = extent
+    k = jnp.arange(math.prod(shape), dtype=jnp.int32)
+    valid = k < rows * cols
+    return jnp.where(valid, (k // cols) * shape[-1] + k % cols, k.shape[0] - 1), valid
+
+
+@functools.partial(jax.jit, static_argnames=("options",))
+def shape_program(c, g, r, options: Options, k=None, extent=None):
+    """Everything but the sample's distributions, compiled once per (shapes, dtypes, options).
+
+    `extent`: None for a leaf as it is; for a leaf padded into a bucket (`analyzer.bucket`),
+    its (rows, cols) as int32 scalars, so that every leaf of the bucket shares the program.
+
+    Returns:
+      (a `LeafStats` whose ``sample`` is None, the `Gathered` sample, the leaf's `Scales`
+      without its per-row, per-column and per-element arrays, noise_free): the last three are
+      `sample_program`'s inputs.
+    """
+    f = analyzed_format(g.dtype)
+    c, g = Operand(c, None, f), Operand(g, None, f)
+    idx = sample_index(c.size, options.sample_size)
+    s = leaf_scales(c, g, r, idx, options, f, k, extent)
+    whole, row_cnt = whole_leaf(c, g, r, s, options, f)
+    rel_tol = _relative_tolerance(s, r, options, f)
+    noise_free = (whole.mismatched - whole.significant) <= NOISE_FREE_SHARE * s.rows * s.cols
+    worst, struct = structure(c, g, r, s, options, f, whole.significant, rel_tol,
+                              row_cnt)
+    stats = LeafStats(
+        # the sample's statistics come from sample_program: leaf_stats puts them here
+        whole=whole, sample=cast(SampleStats, None), worst=worst, structure=struct,
+        permutation=permutation(c, g, r, s, options, f, whole.significant),
+        scales=LeafScales(rms=s.rms, abs_floor=s.abs_floor, rel_tol=rel_tol,
+                          golden_max_abs_error=s.E, golden_max_ulp_error=s.U),
+        conditioning=None if s.K is None else conditioning_stats(c, g, r, s, options, f))
+    valid = None
+    if extent is not None:
+        idx, valid = _in_flat_order(c.shape, extent)
+    return (stats, gather_sample(c, g, r, idx, s, options, f, valid),
+            s._replace(E_row=None, E_col=None, K=None, rows=None, cols=None), noise_free)
+
+
+@functools.partial(jax.jit, static_argnames=("options",))
+def sample_program(sample: Gathered, s: Scales, noise_free, options: Options) -> SampleStats:
+    """`sample.sample_stats`, compiled once per (dtype, reference or not, options): the sample
+    is padded to ``options.sample_size``, so leaves of every shape share it."""
+    return sample_stats(sample, s, options, analyzed_format(sample.g_vals.dtype), noise_free)
+
+
+def leaf_stats(c, g, r, options: Options, k=None, extent=None) -> LeafStats:
+    """The statistics of candidate `c` against golden `g` (same shape and float dtype), with the
+    float64 reference `r` or None and, with `r`, the conditioning spread `k` (float64, output
+    units, `g`'s shape) or None: `shape_program`, then `sample_program` on its sample (both
+    dispatched without waiting; a new shape compiles only the first). `extent`: see
+    `shape_program` (the operands then are a bucket's padded arrays).
+
+    Returns:
+      A `LeafStats` of device scalars and small vectors (see `contract`); for a bucket, in the
+      padded array's coordinates (`bucket.unpad` maps them back).
+    """
+    stats, sample, scales, noise_free = shape_program(c, g, r, options, k, extent)
+    return stats._replace(sample=sample_program(sample, scales, noise_free, options))
+
+
+def _groups(leaves) -> dict:
+    """The positions of `leaves` by dtype, dtypes in order of first appearance."""
+    groups: dict = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(x.dtype, []).append(i)
+    return groups
+
+
+@jax.jit
+def _by_dtype(leaves):
+    """The leaves flattened and concatenated, one vector per dtype (`_groups` order)."""
+    return [jnp.concatenate([leaves[i].reshape(-1) for i in idx])
+            for idx in _groups(leaves).values()]
+
+
+def to_host(stats: LeafStats) -> LeafStats:
+    """`stats` (device arrays) as numpy arrays, in one transfer per dtype: fetching its ~75
+    small arrays one by one costs ~13 us each on the CPU, and a round trip each on a GPU."""
+    leaves, treedef = jax.tree_util.tree_flatten(stats)
+    out = [None] * len(leaves)
+    for flat, idx in zip(jax.device_get(_by_dtype(leaves)), _groups(leaves).values()):
+        start = 0
+        for i in idx:
+            n = leaves[i].size
+            out[i] = flat[start:start + n].reshape(leaves[i].shape)
+            start += n
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@jax.jit
+def nonfloat_stats(c, g):
+    """(mismatched count, flat index of the first mismatch or 0) of integer / bool leaves."""
+    mis = c != g
+    return jnp.sum(i32(mis)), jnp.argmax(mis.reshape(-1)) if c.size else jnp.asarray(0)

@@ -1,0 +1,278 @@
+"""Device side: distribution statistics over the sample (the whole leaf when it is small).
+
+Written as a few stacked reductions (counts and per-bit histograms in one, one-hot histograms in
+another, float sums) and one batched integer sort for every quantile, to keep the compiled
+program small.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+
+from peat_jax._src.analyzer.bits import (F32, Operand, bit_length, monotonic_to_float, nonneg_key,
+                                         ranks, signed_key, take)
+from peat_jax._src.analyzer.contract import (GridFit, Moments, Options, RatioStats, SampleCounts,
+                                             SampleHistograms, SampleQuantiles, SampleStats, view2d)
+from peat_jax._src.analyzer.elements import Elements, Local, Scales, elements, i32, local_scale_flat
+from peat_jax._src.analyzer.signature import QUANTILES
+from peat_jax._src.formats import FloatFormat
+
+
+_ULP_QUANTILES = (0.5, 0.9, 0.99, 1.0)
+_RATIO_RANKS = (0.005, 0.5, 0.995, 1.0)   # p0.5, median, p99.5, max of the ratio
+_LARGE_REL = 1.0 / 16
+_HALF_GRID_ULP = 0.5625                    # 0.5 ULP of the grid, plus the golden's rounding
+
+
+class _Sample(NamedTuple):
+    """Per-element quantities of the sample, beyond `Elements`."""
+
+    el: Elements
+    rs: Any             # the float64 reference's sample, or None
+    x: Any              # differing bits (XOR of the patterns, wide_uint)
+    x_hi: Any           # differing bits at or above the element's noise bits
+    single: Any         # significant, one differing bit above the noise
+    negated: Any        # the golden negated (within the floor, unless noise free)
+    rel: Any            # |c - g| / max(|g|, smallest normal)
+    nonzero: Any        # both non-zero
+    ratio_sel: Any      # finite, |g| >= rms(g), g normal: elements of the ratio statistics
+    slope_sel: Any      # mismatched, finite, g normal: elements of the error slope
+    dist_sel: Any       # finite (the reference too), noise floor >= conditioning floor:
+    #                     elements of the distribution test
+
+
+def _sample(el: Elements, rs, s: Scales, f: FloatFormat, noise_free) -> _Sample:
+    dc, dg = el.dc, el.dg
+    ut = f.wide_uint
+    x = dc.pattern ^ dg.pattern
+    nb = jnp.where(noise_free, 0, el.noise_bits).astype(ut)
+    x_hi = x & ~((jnp.ones((), ut) << nb) - ut(1))
+    ref = el.gv if rs is None else rs.astype(jnp.float64)
+    negated = (x == ut(1 << f.sign_bit)) | (
+        ~noise_free & el.finite & (jnp.abs(el.cv.astype(ref.dtype) + ref) <= el.floor) &
+        (dc.negative != dg.negative))
+    tiny = jnp.asarray(jnp.finfo(f.dtype).tiny, el.gv.dtype)
+    g_normal = ~dg.zero & ~dg.subnormal
+    dist_sel = el.finite & ~el.conditioned
+    if rs is not None:
+        dist_sel = dist_sel & jnp.isfinite(rs.astype(jnp.float64))
+    return _Sample(
+        el=el, rs=rs, x=x, x_hi=x_hi,
+        single=el.significant & (lax.population_count(x_hi) == 1), negated=negated,
+        rel=el.err_cg / jnp.maximum(jnp.abs(el.gv), tiny), nonzero=~dc.zero & ~dg.zero,
+        ratio_sel=el.finite & (jnp.abs(el.gv) >= s.rms) & g_normal,
+        slope_sel=el.mismatched & el.finite & (el.err_cg > 0) & g_normal, dist_sel=dist_sel)
+
+
+def _counts_and_bit_histograms(sm: _Sample, f: FloatFormat):
+    """`SampleCounts` and the per-bit-position histograms, in one reduction (the count masks
+    packed as the bits of one flag word per element)."""
+    el, dc, dg = sm.el, sm.el.dc, sm.el.dg
+    sig, fin = el.significant, el.finite
+    both = fin & sm.nonzero
+    masks = SampleCounts(
+        finite=fin, significant=sig, mismatched=el.mismatched, single_bit=sm.single,
+        negated=sig & sm.negated, candidate_zero=sig & dc.zero,
+        sign_differs=sig & sm.nonzero & (dc.negative != dg.negative),
+        sign_agrees=both & (dc.negative == dg.negative), both_nonzero=both,
+        large_rel_significant=sig & (~fin | (sm.rel >= _LARGE_REL)), significant_finite=sig & fin,
+        slope_elements=sm.slope_sel, mismatched_finite=el.mismatched & fin,
+        ratio_elements=sm.ratio_sel, distribution=sm.dist_sel)
+    ut = f.wide_uint
+    flags = sum(m.astype(jnp.uint32) << jnp.uint32(k) for k, m in enumerate(masks))
+    pos = jnp.arange(f.bits, dtype=ut)[:, None]
+
+    # one row per count / bit position, the elements along the minor axis: XLA:CPU vectorises
+    # row reductions, not column ones
+    def bit(v):
+        return (v[None, :] >> pos) & ut(1)
+
+    def masked(b, m):
+        return (b * m.astype(ut)[None, :]).astype(jnp.uint32)
+
+    xhb = bit(sm.x_hi)
+    rows = jnp.concatenate([
+        (flags[None, :] >> jnp.arange(len(masks), dtype=jnp.uint32)[:, None]) & jnp.uint32(1),
+        masked(bit(sm.x), el.mismatched), masked(xhb, sm.single),
+        masked(xhb * bit(dc.pattern), sm.single), masked(bit(dg.pattern), fin)], axis=0)
+    tot = jnp.sum(rows.astype(jnp.int32), axis=1)
+    k0 = len(masks)
+    counts = SampleCounts(*(tot[i] for i in range(k0)))
+    return counts, tot[k0:].reshape(4, f.bits)
+
+
+def _one_hot_histograms(sm: _Sample, f: FloatFormat):
+    """(ulp, popcount, candidate trailing zeros, golden trailing zeros) histograms, in one
+    reduction."""
+    dc, dg = sm.el.dc, sm.el.dg
+
+    def trailing_zeros(d):
+        m = d.mantissa.astype(jnp.int32)
+        return jnp.minimum(lax.population_count((m & -m) - 1), f.mantissa_bits)
+
+    vals = jnp.stack([bit_length(sm.el.ulp_dist, f),
+                      lax.population_count(sm.x).astype(jnp.int32),
+                      trailing_zeros(dc), trailing_zeros(dg)])
+    ok = jnp.stack([~dc.nan & ~dg.nan, sm.el.mismatched, (dc.exponent > 0) & ~dc.nonfinite,
+                    (dg.exponent > 0) & ~dg.nonfinite])
+    buckets = jnp.arange(f.bits + 1, dtype=jnp.int32)[None, :, None]
+    oh = jnp.sum(((vals[:, None, :] == buckets) & ok[:, None, :]).astype(jnp.int32), axis=2)
+    return oh[0], oh[1], oh[2, :f.mantissa_bits + 1], oh[3, :f.mantissa_bits + 1]
+
+
+def _quantiles(sm: _Sample, counts: SampleCounts, n: int):
+    """`SampleQuantiles` and `RatioStats`: one batched sort of every sort key."""
+    el = sm.el
+    fin = el.finite
+    ratio = jnp.where(sm.ratio_sel, el.cv / jnp.where(sm.ratio_sel, el.gv, 1), 0).astype(
+        jnp.float32)
+    # The mismatched elements' relative errors need no sort of their own: a finite element
+    # that matches has relative error exactly 0, so they are the last `mismatched_finite` of
+    # the finite ones in sorted order (`at_mismatched`).
+    keys = [nonneg_key(el.err_cg, fin), nonneg_key(sm.rel, fin), nonneg_key(el.ratio, fin),
+            signed_key(ratio, sm.ratio_sel)]
+    valid = [counts.finite, counts.finite, counts.finite, counts.ratio_elements]
+    if sm.rs is not None:
+        rf = sm.rs.astype(jnp.float64)
+        okr = sm.dist_sel
+        keys += [nonneg_key(el.err / el.ulp, okr),
+                 nonneg_key(jnp.abs(el.gv.astype(jnp.float64) - rf) / el.ulp, okr)]
+        valid += [counts.distribution, counts.distribution]
+    srt = jnp.sort(jnp.stack(keys), axis=1)
+
+    def at(i, qs):
+        v = lax.bitcast_convert_type(srt[i][ranks(valid[i], qs, n)], jnp.float32)
+        return jnp.where(valid[i] > 0, v, jnp.nan)
+
+    def at_mismatched(qs):
+        m = counts.mismatched_finite
+        pos = jnp.minimum(counts.finite - m + ranks(m, qs, n), n - 1)
+        return jnp.where(m > 0, lax.bitcast_convert_type(srt[1][pos], jnp.float32), jnp.nan)
+
+    quantiles = SampleQuantiles(
+        abs_error=at(0, QUANTILES), rel_error=at(1, QUANTILES), floor_ratio=at(2, QUANTILES),
+        rel_error_mismatched=at_mismatched((0.5,)),
+        candidate_ulp=None if sm.rs is None else at(4, _ULP_QUANTILES),
+        golden_ulp=None if sm.rs is None else at(5, _ULP_QUANTILES))
+    rq = monotonic_to_float(srt[3][ranks(valid[3], _RATIO_RANKS, n)], F32)
+    rmin = monotonic_to_float(srt[3][0], F32)
+    med = rq[1]
+    scale = jnp.maximum(jnp.abs(med), 1e-30)
+    ok = valid[3] > 0
+    ratio_stats = RatioStats(
+        median=jnp.where(ok, med, jnp.nan),
+        spread=jnp.where(ok, jnp.maximum(rq[3] - med, med - rmin) / scale, jnp.nan),
+        spread_p99=jnp.where(ok, jnp.maximum(rq[2] - med, med - rq[0]) / scale, jnp.nan))
+    return quantiles, ratio_stats
+
+
+def _moments(sm: _Sample, counts: SampleCounts) -> Moments:
+    """Float sums: bias (signed error vs r, or vs g), error slope, geometric mean rel error."""
+    el, sel, fin = sm.el, sm.slope_sel, sm.el.finite
+    if sm.rs is None:
+        d = jnp.where(fin, el.cv - el.gv, 0).astype(jnp.float32)
+    else:
+        d = jnp.where(fin, el.cv.astype(jnp.float64) - sm.rs.astype(jnp.float64), 0).astype(
+            jnp.float32)
+    lx = jnp.where(sel, jnp.log2(jnp.where(sel, jnp.abs(el.gv), 1)), 0).astype(jnp.float32)
+    ly = jnp.where(sel, jnp.log2(jnp.where(sel, el.err_cg, 1)), 0).astype(jnp.float32)
+    lrel = jnp.where(el.significant & fin, jnp.log2(jnp.maximum(sm.rel, 1e-30)), 0).astype(
+        jnp.float32)
+    dmax = jnp.max(jnp.abs(d))
+    dmax = jnp.where(dmax > 0, dmax, 1)
+    d = d / dmax     # unit scale: squares of tiny errors would underflow
+    s1 = jnp.sum(jnp.stack([d, lx, ly, lrel]), axis=1)
+    nf, ns = jnp.maximum(counts.finite, 1), jnp.maximum(counts.slope_elements, 1)
+    mean, mx, my = s1[0] / nf, s1[1] / ns, s1[2] / ns
+    dx = jnp.where(sel, lx - mx, 0)
+    s2 = jnp.sum(jnp.stack([jnp.where(fin, (d - mean) ** 2, 0), dx * dx,
+                            dx * jnp.where(sel, ly - my, 0)]), axis=1)
+    se = jnp.sqrt(s2[0] / jnp.maximum(nf - 1, 1) / nf)
+    return Moments(
+        bias_mean=mean * dmax, bias_std_error=se * dmax,
+        bias_t=jnp.where(se > 0, mean / jnp.where(se > 0, se, 1), 0.0),
+        error_slope=jnp.where(s2[1] > 0, s2[2] / jnp.where(s2[1] > 0, s2[1], 1), jnp.nan),
+        geo_mean_rel_significant=jnp.exp2(s1[3] / jnp.maximum(counts.significant_finite, 1)))
+
+
+def _grid_fit(el: Elements, f: FloatFormat) -> GridFit:
+    """The error in ULPs of coarser grids (k mantissa bits dropped): is c the golden rounded to
+    the grid?"""
+    ks = jnp.arange(f.mantissa_bits + 1, dtype=jnp.float32)
+    # one row per grid, the elements along the minor axis (row reductions vectorise)
+    grid_ulp = jnp.exp2(-ks)[:, None] * el.ulp_dist.astype(jnp.float32)[None, :]
+    mf = (el.mismatched & el.finite)[None, :]
+    return GridFit(max_ulp=jnp.max(jnp.where(mf, grid_ulp, 0), axis=1),
+                   beyond_half=jnp.sum(i32(mf & (grid_ulp > _HALF_GRID_ULP)), axis=1))
+
+
+class Gathered(NamedTuple):
+    """The sample of a leaf, padded to ``Options.sample_size`` elements (device arrays).
+
+    Padding elements hold the same NaN in the candidate and the golden (and NaN in the
+    reference): equal NaNs are neither mismatched nor finite, which excludes them from every
+    sample statistic, so the sample's program serves every leaf shape."""
+
+    c_vals: Any
+    c_bits: Any
+    g_vals: Any
+    g_bits: Any
+    r: Any = None               # float64 reference at the sample (None without one)
+    noise: Any = None           # `Local.noise` at the sample (reference only)
+    conditioning: Any = None    # `Local.conditioning` at the sample (given only)
+
+
+def _padded(x, size: int, fill):
+    return None if x is None else jnp.pad(x, (0, size - x.shape[0]), constant_values=fill)
+
+
+def gather_sample(c, g, r, idx, s: Scales, options: Options, f: FloatFormat,
+                  valid=None) -> Gathered:
+    """The `Gathered` sample `idx` (None: the whole leaf) of `Operand`s `c`, `g`, the float64
+    reference `r` (or None) and the local scales of the floor there; `valid` (or None: all)
+    marks the positions of `idx` that are the leaf's, the others are a bucket's padding."""
+    cs, gs = take(c, idx), take(g, idx)
+    R, C, _, _ = view2d(c.shape)
+    eloc = local_scale_flat(s, idx, c.size, R, C)
+    if eloc is not None and valid is not None:
+        eloc = Local(noise=jnp.where(valid, eloc.noise, 0.0),
+                     conditioning=None if eloc.conditioning is None else
+                     jnp.where(valid, eloc.conditioning, 0.0))
+    size = options.sample_size
+    nan = jnp.full((), jnp.nan, f.dtype)
+    nan_bits = lax.bitcast_convert_type(nan, cs.bits.dtype)
+    return Gathered(
+        c_vals=_padded(cs.vals, size, nan), c_bits=_padded(cs.bits, size, nan_bits),
+        g_vals=_padded(gs.vals, size, nan), g_bits=_padded(gs.bits, size, nan_bits),
+        r=None if r is None else _padded(take(r, idx).astype(jnp.float64), size, jnp.nan),
+        noise=None if eloc is None else _padded(eloc.noise, size, 0.0),
+        conditioning=None if eloc is None else _padded(eloc.conditioning, size, 0.0))
+
+
+def sample_stats(sample: Gathered, s: Scales, options: Options, f: FloatFormat,
+                 noise_free) -> SampleStats:
+    """Distributions over the `Gathered` sample, given the leaf's `Scales` (its leaf-wide
+    scalars: the local scales come with the sample).
+
+    `noise_free` (traced bool): at most 1% of the elements differ within the noise floor
+    (`NOISE_FREE_SHARE`), so every differing bit of a significant element belongs to the fault;
+    otherwise bits below each element's noise bits are ignored by the single-bit statistics,
+    and a negation is recognised within the floor.
+    """
+    cs = Operand(sample.c_vals, sample.c_bits, f)
+    gs = Operand(sample.g_vals, sample.g_bits, f)
+    rs = sample.r
+    eloc = None if sample.noise is None else Local(sample.noise, sample.conditioning)
+    el = elements(cs, gs, rs, s, options, f, eloc)
+    sm = _sample(el, rs, s, f, noise_free)
+    counts, per_bit = _counts_and_bit_histograms(sm, f)
+    ulp, popcount, tz_c, tz_g = _one_hot_histograms(sm, f)
+    histograms = SampleHistograms(
+        differing_bits=per_bit[0], single_bit=per_bit[1], single_bit_set=per_bit[2],
+        golden_bit_set=per_bit[3], ulp=ulp, popcount=popcount, candidate_trailing_zeros=tz_c,
+        golden_trailing_zeros=tz_g)
+    quantiles, ratio = _quantiles(sm, counts, cs.shape[0])
+    return SampleStats(counts=counts, histograms=histograms, quantiles=quantiles, ratio=ratio,
+                       moments=_moments(sm, counts), grid=_grid_fit(el, f))

@@ -1,0 +1,95 @@
+"""The verdict of one `check_kernel` call: the worst check's diagnosis, with where it came from
+and what every check found."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from peat_jax._src.check.judging import Check, narrowest_formats
+from peat_jax._src.check.programs import VJP_FORWARD
+from peat_jax._src.check.running import Float64Reference
+from peat_jax._src.detector import Diagnosis, narrowed, only_on_odd_shapes, severity
+from peat_jax._src.judge.reference_spread import Spread
+from peat_jax._src.judge.rounding import ROUNDING_SAMPLES
+
+
+def _check_key(c: Check) -> tuple:
+    """Worst last: failing, then model class (`severity`), then a forward failure before the
+    gradient failures it usually causes, then the floor ratio."""
+    failing, rank, ratio = severity(c.diagnosis)
+    return (failing, rank, c.output in ("forward", VJP_FORWARD), ratio)
+
+
+def verdict(checks: Sequence[Check], *, skipped: dict[str, str],
+             spread: dict[tuple[str, str], Spread], precision: str,
+             no_float64: dict[str, str], float64: Float64Reference,
+             no_rounding: Optional[dict[str, str]] = None) -> Diagnosis:
+    """The worst check's diagnosis, its evidence extended with where it came from, every
+    check's model, the skipped variants, the reference's matmul precision and its
+    nondeterminism, the variants without a float64 reference (and why) and how the float64
+    reference was had from a reference that pins a narrower dtype."""
+    worst = max(checks, key=_check_key)
+    failing = [c for c in checks if not c.diagnosis.passed]
+    passing = {c.variant for c in checks} - {c.variant for c in failing}
+    d = only_on_odd_shapes(narrowed(worst.diagnosis, narrowest_formats(checks)),
+                           {c.variant for c in failing}, passing)
+    ev = dict(d.evidence)
+    note = ""
+    if spread:
+        ev["reference_nondeterministic"] = {f"{o} on {v}": s.reference
+                                            for (v, o), s in spread.items()}
+        note = (f"; note: the reference itself is nondeterministic (run-to-run max |diff| up to "
+                f"{max(s.reference for s in spread.values()):.3g})")
+    if float64.note:
+        ev["float64_reference"] = float64.note
+    if no_float64:
+        ev["no_float64_reference"] = dict(no_float64)
+        note += (f"; note: the floor is the dtype bound, not a float64 reference, on "
+                 f"{len(no_float64)} of {len({c.variant for c in checks})} variants: the "
+                 f"reference {next(iter(no_float64.values()))}"
+                 + (f"; {float64.note}" if float64.note and not float64.widened else ""))
+    if no_rounding:
+        ev["no_rounding_floor"] = dict(no_rounding)
+        if not d.passed:
+            note += (f"; note: no rounding floor on {len(no_rounding)} variants: the reference "
+                     f"could not be evaluated under Monte Carlo arithmetic "
+                     f"({next(iter(no_rounding.values()))})")
+    rounded = _rounded(checks)
+    if rounded:
+        ev["rounding_checks"] = rounded
+        if d.passed:
+            note += (f"; {len(rounded)} checks pass within the rounding floor (the spread of "
+                     f"{ROUNDING_SAMPLES} correct roundings of the reference, Monte Carlo "
+                     "arithmetic) rather than the reference's own error")
+    conditioned = _conditioned(checks)
+    if conditioned:
+        ev["conditioned_checks"] = conditioned
+        note += (f"; {len(conditioned)} passing checks are within the problem's conditioning "
+                 "rather than the reference's own error")
+    ev["origin"] = {"variant": worst.variant, "output": worst.output}
+    ev["reference_precision"] = precision
+    if d.model in ("reduced_precision", "low_precision_accumulation"):
+        note = f"; reference at matmul precision {precision!r}" + note
+    ev["checks"] = [[c.variant, c.output, c.diagnosis.model] for c in checks]
+    if skipped:
+        ev["skipped"] = skipped
+    if not d.passed:
+        ev["failing_checks"] = sorted({f"{c.output} on {c.variant}" for c in failing})
+    where = f" [{worst.output}, {worst.variant} inputs]"
+    tail = (f" ({len(failing)} of {len(checks)} checks fail)" if failing
+            else f" ({len(checks)} checks)")
+    return Diagnosis(model=d.model, passed=d.passed, confidence=d.confidence, evidence=ev,
+                     summary=d.summary + where + tail + note)
+
+
+def _rounded(checks: Sequence[Check]) -> list[str]:
+    """The checks ("output on variant") judged with the rounding floor (they failed without
+    it)."""
+    return [f"{c.output} on {c.variant}" for c in checks
+            if c.diagnosis.evidence.get("rounding_floor") is not None]
+
+
+def _conditioned(checks: Sequence[Check]) -> list[str]:
+    """The passing checks ("output on variant") that the conditioning floor made pass: elements
+    beyond the noise floor within it."""
+    return [f"{c.output} on {c.variant}" for c in checks if c.diagnosis.passed and
+            (c.diagnosis.evidence.get("conditioning_floor") or {}).get("decisive", 0) > 0]

@@ -1,0 +1,105 @@
+"""The float64 rules: a failing verdict renamed by what the candidate computes when it runs in
+float64 too (`check_kernel` and playback supply the numbers, `judge.float64.float64_evidence`):
+``unstable_algorithm`` (exact in float64, amplified rounding in float32) and ``approximation``
+(wrong in float64 as well)."""
+from __future__ import annotations
+
+from typing import Callable, Iterable, NamedTuple, Optional
+
+from peat_jax._src.detector.machinery import Diagnosis, Match, plain, short
+from peat_jax._src.formats import unit_roundoff
+
+
+class Float64Evidence(NamedTuple):
+    """One failing output, with the candidate also evaluated in float64 on the same inputs.
+
+    Attributes:
+      dtype: the candidate's output dtype (its float format).
+      error: max |candidate - float64 reference| (output units).
+      error64: max |candidate run in float64 - float64 reference| (output units; inf where the
+        float64 run is non-finite and the reference is not).
+      scale: max |float64 reference| over its finite elements.
+      reference_error: max |reference in the dtype - float64 reference| (output units).
+      in_float64: False when every value of the float64 run is representable in `dtype`: the
+        candidate computed in its own dtype inside (a kernel that casts to float32), so its
+        "float64" run says nothing about its algorithm and no float64 rule applies.
+    """
+
+    dtype: str
+    error: float
+    error64: float
+    scale: float
+    reference_error: float
+    in_float64: bool = True
+
+
+UNSTABLE_FACTOR = 8.0
+"""How many times the reference's own max |error| (and the dtype's roundoff at the output's
+scale) a candidate's max |error| must exceed to be called unstable: a correct algorithm of the
+same dtype rounds about as much as the reference does."""
+
+
+def _unstable_algorithm(d: Diagnosis, f: Float64Evidence) -> Optional[Match]:
+    """The check fails with a model other than reduced_precision or nondeterministic; the
+    candidate really computes in float64 when given float64 inputs (`in_float64`); evaluated
+    so, it matches the float64 reference to within u * max|reference|
+    (u the unit roundoff of the candidate's dtype: its algorithm computes the right function);
+    and in its dtype its max |error| exceeds 8 times both that bound and the reference's own
+    max |error| (the dtype's rounding amplified: cancellation, as in a one-pass variance, or an
+    intermediate that overflows)."""
+    if d.passed or d.model in ("reduced_precision", "nondeterministic") or not f.in_float64:
+        return None
+    bound = unit_roundoff(f.dtype) * f.scale
+    if not (f.error64 <= bound and f.error > UNSTABLE_FACTOR * max(bound, f.reference_error)):
+        return None
+    ev = {"error": f.error, "error_float64": f.error64, "reference_max": f.scale,
+          "reference_error": f.reference_error, "would_be": d.model}
+    return Match(ev, 0.9, f"the algorithm is right (run in float64 its max |error| is "
+                           f"{short(f.error64)}, below {f.dtype}'s roundoff at the output's scale "
+                           f"{short(bound)}) but in {f.dtype} it loses it: max |error| "
+                           f"{short(f.error)} (cancellation or overflow in an intermediate; "
+                           f"the rules alone said {d.model})")
+
+
+def _approximation(d: Diagnosis, f: Float64Evidence) -> Optional[Match]:
+    """The check fails as low_precision_accumulation by the error's slope or bias (its values
+    are not on a narrower grid), or as reduced_precision of the inputs with no narrow format
+    fitting, and the candidate, really computing in float64 (`in_float64`), is still off the
+    float64 reference by at least half its error in its own dtype (the difference is in the function
+    computed, e.g. tanh-GELU for the exact GELU or a polynomial exp, not in rounding)."""
+    ev = d.evidence
+    dense = (d.model == "low_precision_accumulation" and "max_ulp_on_grid" not in ev) or (
+        d.model == "reduced_precision" and ev.get("where") == "inputs" and not ev.get("formats"))
+    if d.passed or not dense or not f.in_float64 or not (f.error > 0 and
+                                                         f.error64 >= 0.5 * f.error):
+        return None
+    ev = {"error": f.error, "error_float64": f.error64, "reference_max": f.scale,
+          "would_be": d.model}
+    return Match(ev, 0.8, f"a different function, not rounding: run in float64 it is still "
+                           f"{short(f.error64)} off (max |error| {short(f.error)} in {f.dtype}; "
+                           f"relative {short(f.error64 / f.scale if f.scale else 0.0)})")
+
+
+FLOAT64_RULES: tuple[tuple[str, Callable[[Diagnosis, Float64Evidence], Optional[Match]]], ...] \
+    = (("unstable_algorithm", _unstable_algorithm), ("approximation", _approximation))
+"""(model, condition) over a failing diagnosis and the candidate's float64 evaluation, in
+order; `check_kernel` applies them (`by_float64`)."""
+
+
+def by_float64(d: Diagnosis, f: Float64Evidence, *, allow: Iterable[str] = ()) -> Diagnosis:
+    """`d` renamed by the first of `FLOAT64_RULES` whose condition holds (``evidence["rule"]``
+    names it, ``evidence["would_be"]`` keeps the signature rules' model), else `d` itself."""
+    for model, test in FLOAT64_RULES:
+        m = test(d, f)
+        if m is None:
+            continue
+        allowed = model in frozenset(allow)
+        kept = ("leaf", "max_floor_ratio", "conditioning_floor", "rounding_floor")
+        ev = {**{k: v for k, v in d.evidence.items() if k in kept},
+              **m.evidence, "rule": model}
+        if allowed:
+            ev["allowed"] = True
+        verdict = "passes" if allowed else "fails"
+        return Diagnosis(model, allowed, m.confidence, plain(ev),
+                         f"{verdict}: {model}{' (allowed)' if allowed else ''}, {m.detail}")
+    return d

@@ -1,0 +1,54 @@
+"""Float64 evidence: what the detector's float64 rules read about a failing output (the
+candidate's own run in float64 beside the reference's), and the differences they are made of."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from peat_jax._src.detector import Float64Evidence
+
+
+def float64_evidence(candidate, reference, reference64, candidate64) -> Float64Evidence:
+    """What `detector.by_float64` reads about one output (arrays or pytrees of one structure):
+    the candidate's value, the reference's in the same dtype, the float64 reference's and the
+    candidate's run on the same inputs in float64. Errors are max |differences| in output
+    units; the scale is max |float64 reference| over its finite elements."""
+    leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(reference64)]
+    finite = [x[np.isfinite(x)] for x in leaves]
+    scale = max((float(np.abs(x).max()) for x in finite if x.size), default=0.0)
+    dtype = str(jnp.result_type(jax.tree.leaves(candidate)[0]))
+    return Float64Evidence(dtype=dtype, error=max_difference(candidate, reference64),
+                           error64=max_difference(candidate64, reference64), scale=scale,
+                           reference_error=max_difference(reference, reference64),
+                           in_float64=beyond_grid(candidate64, dtype))
+
+
+def beyond_grid(tree, dtype: str) -> bool:
+    """Some finite value of `tree` is not representable in `dtype` (a float64 run that
+    computed beyond it)."""
+    for x in jax.tree.leaves(tree):
+        x = np.asarray(x, np.float64)
+        x = x[np.isfinite(x)]
+        with np.errstate(over="ignore"):
+            if np.any(x.astype(dtype).astype(np.float64) != x):
+                return True
+    return False
+
+
+def max_difference(a, b) -> float:
+    """max |a - b| over the float leaves of two pytrees (inf where the NaN patterns differ;
+    0.0 when they are bitwise equal)."""
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        if x.shape != y.shape:
+            return float("inf")
+        nan_x, nan_y = np.isnan(x), np.isnan(y)
+        if np.any(nan_x != nan_y):
+            return float("inf")
+        with np.errstate(invalid="ignore"):
+            d = np.where((x == y) | (nan_x & nan_y), 0.0, np.abs(x - y))
+        d = np.where(np.isnan(d), np.inf, d)  # inf vs -inf
+        worst = max(worst, float(d.max()) if d.size else 0.0)
+    return worst

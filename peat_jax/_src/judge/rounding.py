@@ -1,0 +1,237 @@
+"""The rounding floor: how far a correct implementation of the reference's algorithm may be from
+the truth, measured by Monte Carlo arithmetic on the reference.
+
+The noise floor is one sample of the reference's own rounding (its error against float64): exact
+where the reference happens to be exact (a cancellation that its order of operations resolves
+to 0), so any other correct rounding there is "beyond the floor". Monte Carlo arithmetic (Parker
+1997; Verificarlo's and Verrou's random rounding) measures the spread instead: the reference's
+program is evaluated in float64 `ROUNDING_SAMPLES` times with every floating-point result
+perturbed at the precision the program computes it in (`monte_carlo`), and rounded to its
+output dtype at the end. Each sample is a correct implementation of the same algorithm with other
+rounding errors; the per-element spread of the samples around the float64 result is the floor.
+
+The perturbation of one result ``y`` (float64), ``u`` the unit roundoff of the equation's own
+dtype in the traced program (float32: ``2**-24``), ``d`` uniform in [-1, 1], drawn per element
+and per equation from a fixed key:
+
+* an elementwise operation rounds its result: ``y * (1 + u * d)``; a transcendental one
+  (`TRANSCENDENTAL`: libraries differ by up to an ULP) ``y * (1 + 2 * u * d)``;
+* a sum of K terms t_k (`SUMMING`: a matmul's K, a reduction's extent; an addition or
+  subtraction is a sum of 2, whose result may cancel far below its operands) rounds its partial
+  sums, at the scale of what it sums, not of its result: ``y + u * sqrt(log2 K + 1) * (d1 * |y|
+  + d2 * sqrt(sum t_k**2))``: a blocked or pairwise sum rounds at each of its ~log2 K levels,
+  at the scale of its partial sums (``|y|`` for terms of one sign, ``sqrt(sum t_k**2)`` for
+  terms of either sign); so where the terms cancel to (nearly) 0 the floor is rounding at the
+  terms' scale;
+* data movement and selection (`EXACT`: reshape, gather, max, negation, ...) round nothing; a
+  cast to a narrower float rounds at the narrower format's unit roundoff.
+
+The samples come in two kinds. In the first `OPERAND_SCALE_SAMPLES` an addition or subtraction
+rounds at the scale of its operands, as above (another association order); in the others it
+rounds only at the scale of its result, ``y * (1 + u * d)`` (its own rounding in this order). Both
+are correct implementations, and they differ where a result feeds a steep function: ``s - max(s)``
+of a softmax over logits of 1e18 moved by ``u |s|`` ~ 1e11 overflows ``exp`` and makes the sample
+non-finite, while the reference's own order computes it exactly (0 for the row's maximum). A
+non-finite element of a sample excuses nothing (the spread is over the finite ones,
+`analyzer.noise.rounding_floor`), so there the other half's spread stands.
+
+What it can excuse: any difference a correct implementation of the reference's algorithm in the
+same precision shows by computing in another order, with another accumulation tree, another
+libm, or fused multiply-adds; and another correct formula whose intermediate values round at
+the scale of the reference's operands (a softmax through its log-sum-exp, ``exp(s - (m + log
+l))``: ``m + log l`` rounds at the scale of m, as ``s - m`` may in another order). What it
+cannot: a different algorithm whose rounding is amplified
+differently (an unstable formula: the candidate's own float64 run tells those apart,
+`detector.by_float64`), nor a narrower precision than the traced program's.
+"""
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from peat_jax._src import _jax
+from peat_jax._src.formats import unit_roundoff
+from peat_jax._src.promote import evaluate
+from peat_jax._src.sites import trace_key
+
+
+ROUNDING_SAMPLES = 10
+"""Monte Carlo arithmetic evaluations of the reference per check: `OPERAND_SCALE_SAMPLES` with
+additions rounded at the scale of their operands, the rest at the scale of their result
+(CADNA uses 3 samples)."""
+
+OPERAND_SCALE_SAMPLES = 6
+"""Of the `ROUNDING_SAMPLES`, those whose additions round at the scale of their operands (6
+put the per-element maximum near 1.5 standard deviations of the rounding)."""
+
+EXACT = frozenset({
+    "reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
+    "dynamic_slice", "dynamic_update_slice", "gather", "scatter", "concatenate", "pad",
+    "select_n", "rev", "copy", "copy_p", "neg", "abs", "max", "min", "reduce_max", "reduce_min",
+    "sign", "floor", "ceil", "round", "stop_gradient", "iota", "clamp", "sort", "cummax",
+    "cummin", "select_and_gather_add", "sharding_constraint", "device_put",
+    "optimization_barrier", "split", "real", "imag", "nextafter", "broadcast", "zeros_like",
+    "squeeze_p", "argmax", "argmin", "convert_element_type",
+})
+"""Primitives whose float results are exact (data movement, selection, sign): not perturbed."""
+
+SUMMING = frozenset({"dot_general", "reduce_sum", "conv_general_dilated", "cumsum", "add", "sub",
+                     "add_any"})
+"""Primitives that sum K terms into each result (an addition sums 2): perturbed at the scale of
+their terms."""
+
+TRANSCENDENTAL = frozenset({
+    "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "asin",
+    "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc", "erf_inv",
+    "rsqrt", "cbrt", "pow", "lgamma", "digamma", "igamma", "igammac", "bessel_i0e",
+    "bessel_i1e", "cumlogsumexp", "logaddexp",
+})
+"""Primitives a math library approximates (up to an ULP apart between libraries)."""
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(getattr(x, "dtype", np.float32), jnp.floating)
+
+
+def _terms(eqn, invals) -> tuple[Any, int]:
+    """(sum of the squared terms, K) of a `SUMMING` equation's first output: the same op on
+    the squared operands."""
+    name, p = eqn.primitive.name, eqn.params
+    shapes = [np.shape(x) for x in invals]
+    if name == "dot_general":
+        (lc, _), _ = p["dimension_numbers"]
+        k = math.prod(shapes[0][d] for d in lc)
+        sq = _jax.bind(eqn, [invals[0] * invals[0], invals[1] * invals[1]],
+                       **({"preferred_element_type": jnp.dtype(jnp.float64)}
+                          if p.get("preferred_element_type") is not None else {}))[0]
+    elif name == "conv_general_dilated":
+        rhs, out_feature = shapes[1], p["dimension_numbers"].rhs_spec[0]
+        k = math.prod(rhs) // max(rhs[out_feature], 1)
+        sq = _jax.bind(eqn, [invals[0] * invals[0], invals[1] * invals[1]],
+                       **({"preferred_element_type": jnp.dtype(jnp.float64)}
+                          if p.get("preferred_element_type") is not None else {}))[0]
+    elif name in ("add", "sub", "add_any"):
+        k = 2
+        sq = invals[0] * invals[0] + invals[1] * invals[1]
+    elif name == "reduce_sum":
+        k = math.prod(shapes[0][a] for a in p["axes"])
+        sq = _jax.bind(eqn, [invals[0] * invals[0]])[0]
+    else:   # cumsum
+        k = shapes[0][p["axis"]]
+        sq = _jax.bind(eqn, [invals[0] * invals[0]])[0]
+    return sq, max(int(k), 1)
+
+
+_ADDITIONS = frozenset({"add", "sub", "add_any"})
+
+
+class _Perturb:
+    """The `promote.Hook` of one Monte Carlo sample: perturbs every rounded result (see the
+    module docstring) with uniforms drawn from `key`, one fold per equation."""
+
+    def __init__(self, key, operand_scale):
+        self.key = key
+        self.operand_scale = operand_scale   # 1.0: additions round at their operands' scale
+        self.count = 0
+
+    def in_iteration(self, i) -> "_Perturb":
+        return _Perturb(jax.random.fold_in(self.key, 1_000_003 + self.count + 7919 * i),
+                        self.operand_scale)
+
+    def _uniform(self, shape):
+        self.count += 1
+        return jax.random.uniform(jax.random.fold_in(self.key, self.count), shape, jnp.float64,
+                                  -1.0, 1.0)
+
+    def __call__(self, eqn, invals: Sequence[Any], outs: list) -> list:
+        name = eqn.primitive.name
+        if name in EXACT and name != "convert_element_type":
+            return outs
+        done = []
+        for v, y in zip(eqn.outvars, outs):
+            dtype = v.aval.dtype
+            if not (_is_float(y) and jnp.issubdtype(dtype, jnp.floating)):
+                done.append(y)
+                continue
+            u = unit_roundoff(dtype)
+            if name == "convert_element_type":
+                narrower = _is_float(eqn.invars[0].aval) and \
+                    unit_roundoff(eqn.invars[0].aval.dtype) < u
+                done.append(y * (1 + u * self._uniform(y.shape)) if narrower else y)
+            elif name in SUMMING and len(done) == 0:
+                sq, k = _terms(eqn, invals)
+                depth = math.sqrt(math.log2(k) + 1)
+                terms = jnp.sqrt(sq) if name not in _ADDITIONS else \
+                    self.operand_scale * jnp.sqrt(sq)
+                spread = jnp.abs(y) * self._uniform(y.shape) + terms * self._uniform(y.shape)
+                # a term that is not finite leaves the result as it is (an infinite mask
+                # value, an overflow): rounding moves nothing there
+                done.append(y + jnp.where(jnp.isfinite(spread), u * depth * spread, 0.0))
+            else:
+                amp = 2 * u if name in TRANSCENDENTAL else u
+                done.append(y * (1 + amp * self._uniform(y.shape)))
+        return done
+
+
+class MonteCarlo(NamedTuple):
+    """A program under Monte Carlo arithmetic (`monte_carlo`)."""
+
+    run: Callable     # jitted: (keys (S, 2) uint32, *flat float leaves) -> flat outputs
+    out_tree: Any     # the structure of the traced function's output
+
+
+_PROGRAMS: "collections.OrderedDict[tuple, MonteCarlo]" = collections.OrderedDict()
+_PROGRAMS_KEPT = 16
+
+
+def monte_carlo(fn: Callable, args: tuple) -> MonteCarlo:
+    """`fn` traced on `args` as they are (under the caller's x64 setting: their dtypes set each
+    operation's precision, as when the program runs) and evaluated under Monte Carlo arithmetic: one
+    float64 evaluation per key with every rounded result perturbed (module docstring) and the
+    float outputs rounded to the traced program's output dtypes (returned as float64). Kept by
+    (`fn`, `sites.trace_key(args)`), so calls at one shape share a compiled program. Raises
+    `PeatError` for a program `promote.evaluate` refuses (a kernel, a bitcast), and what tracing
+    `fn` raises."""
+    key = trace_key(args)
+    cached = None if key is None else _PROGRAMS.get((fn, key))
+    if cached is not None:
+        return cached
+    closed, out = jax.make_jaxpr(fn, return_shape=True)(*args)
+    consts, shapes = _jax.jaxpr_consts(closed), jax.tree.leaves(out)
+
+    def one(k, flat):
+        # the first OPERAND_SCALE_SAMPLES: additions at their operands' scale; then at their
+        # result's
+        scale = (k[1] < OPERAND_SCALE_SAMPLES).astype(jnp.float64)
+        outs = evaluate(closed, consts, flat, _Perturb(k, scale))
+        return [x.astype(s.dtype).astype(jnp.float64) if _is_float(s) else x
+                for x, s in zip(outs, shapes)]
+
+    def many(keys, *flat):
+        return jax.vmap(one, in_axes=(0, None))(keys, list(flat))
+
+    many.__name__ = many.__qualname__ = \
+        f"{getattr(fn, '__name__', type(fn).__name__)}_monte_carlo"
+    program = MonteCarlo(run=jax.jit(many), out_tree=jax.tree.structure(out))
+    if key is not None:
+        _PROGRAMS[(fn, key)] = program
+        while len(_PROGRAMS) > _PROGRAMS_KEPT:
+            _PROGRAMS.popitem(last=False)
+    return program
+
+
+def rounding_samples(fn: Callable, args: tuple, seed: int,
+                     samples: int = ROUNDING_SAMPLES) -> Any:
+    """`samples` Monte Carlo arithmetic evaluations of ``fn(*args)`` (`monte_carlo`) with keys
+    from `seed`: `fn`'s output structure, every float leaf a float64 host array with a leading
+    axis of `samples` (output units). Raises what `monte_carlo` raises."""
+    program = monte_carlo(fn, args)
+    keys = np.stack([np.asarray([seed & 0xFFFFFFFF, i], np.uint32) for i in range(samples)])
+    with jax.enable_x64(True):
+        flat = jax.device_get(program.run(keys, *jax.tree.leaves(args)))
+    return jax.tree.unflatten(program.out_tree, flat)

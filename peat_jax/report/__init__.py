@@ -1,4 +1,0 @@
-"""HTML reports of run directories."""
-from peat_jax.report.html import render_report, write_report
-
-__all__ = ["render_report", "write_report"]
