@@ -1,5 +1,5 @@
 """Detector truth on the corpus of real kernels (tests/corpus): every entry through
-`peat.check_kernel` as tests/test_corpus.py runs it.
+`peat.check_kernel` as tests/check/test_corpus.py runs it.
 
 bugs / correct: entries of each kind run here (torch entries only where torch is installed).
 recall: fraction of the buggy kernels that fail. false_alarms: correct kernels that fail.

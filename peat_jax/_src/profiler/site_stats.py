@@ -393,8 +393,8 @@ class StatsStep:
     `plain(state, batch) -> (state, metrics)` and `with_stats(state, batch) -> (state, metrics,
     packed statistics)` (see `pack`) are jitted. Without a substitution `plain` is `jit(train_step)`
     itself; the statistics read the site outputs without changing what flows on, so both give
-    bitwise the same state and metrics (tests/test_site_stats.py checks it). `sampling` says
-    which elements each site's sample keeps (a recorded run's own, `read_sampling`, to replay
+    bitwise the same state and metrics (tests/profiler/test_site_stats.py checks it). `sampling`
+    says which elements each site's sample keeps (a recorded run's own, `read_sampling`, to replay
     one of its steps).
     """
 

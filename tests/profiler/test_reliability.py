@@ -76,7 +76,7 @@ def _copy_run(run: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
 
 
 def _env() -> dict:
-    tests = str(pathlib.Path(__file__).resolve().parent)
+    tests = str(pathlib.Path(__file__).resolve().parents[1])
     return {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
 
 

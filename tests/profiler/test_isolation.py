@@ -18,7 +18,7 @@ import peat_jax as peat
 from peat_jax._src.profiler.playback import CellTimeout, playback
 from peat_jax._src.profiler.rundir import to_json
 
-TESTS = pathlib.Path(__file__).parent
+TESTS = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture

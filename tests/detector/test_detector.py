@@ -16,7 +16,7 @@ from peat_jax._src.detector import (CHECK_MODELS, MODELS, PASSING, RULES, Diagno
 from peat_jax._src.errors import PeatError
 
 SHAPE = (16, 32)
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "error_models.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "error_models.md"
 
 
 def _normal(seed=0, shape=SHAPE, shift=0.0):

@@ -11,7 +11,7 @@ import pytest
 from peat_jax._src import cli, kernel_spec
 from peat_jax._src.errors import PeatError
 
-TESTS = pathlib.Path(__file__).resolve().parent
+TESTS = pathlib.Path(__file__).resolve().parents[1]
 QKV = "1x4x1x4,1x4x1x4,1x4x1x4"   # [batch, length, heads, head_dim], three times
 CAUSAL = '{"is_causal": true}'
 

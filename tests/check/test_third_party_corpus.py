@@ -16,7 +16,7 @@ from peat_jax._src import taxonomy
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _param(e):

@@ -21,7 +21,7 @@ from peat_jax._src.profiler.golden import load_workload, profile, restore
 from peat_jax._src.profiler.workload import ENTRY_POINT_GROUP, workload_factory
 from peat_jax._src import taxonomy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny_linear(scale: float = 1.0) -> peat.Workload:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-TESTS = pathlib.Path(__file__).resolve().parent
+TESTS = pathlib.Path(__file__).resolve().parents[1]
 
 
 def peat(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
