@@ -23,9 +23,7 @@ from peat_jax._src.faults import Fault as Fault
 from peat_jax._src.kernels import Kernel as Kernel
 from peat_jax._src.lowering import lowers_for as lowers_for
 from peat_jax._src.profiler.compare import Comparison as Comparison
-from peat_jax._src.profiler.compare import RunComparison as RunComparison
 from peat_jax._src.profiler.compare import compare as compare
-from peat_jax._src.profiler.compare import compare_runs as compare_runs
 from peat_jax._src.profiler.distributed import Processes as Processes
 from peat_jax._src.profiler.distributed import start as start_distributed
 from peat_jax._src.profiler.effect import Effect as Effect
@@ -41,6 +39,8 @@ from peat_jax._src.profiler.nan_origin import golden_nan_origin as golden_nan_or
 from peat_jax._src.profiler.playback import CellTimeout as CellTimeout
 from peat_jax._src.profiler.playback import PlaybackResult as PlaybackResult
 from peat_jax._src.profiler.playback import playback as playback
+from peat_jax._src.profiler.run_metrics import RunComparison as RunComparison
+from peat_jax._src.profiler.run_metrics import compare_runs as compare_runs
 from peat_jax._src.profiler.runtime import RuntimeResult as RuntimeResult
 from peat_jax._src.profiler.runtime import runtime as runtime
 from peat_jax._src.profiler.workload import Workload as Workload

@@ -145,7 +145,7 @@ def test_classify_outcome_rules(name, make):
 
 
 def test_compare_runs_names_first_diverging_step_and_metric(golden, vision, tmp_path):
-    from peat_jax._src.profiler.compare import compare_runs
+    from peat_jax._src.profiler.run_metrics import compare_runs
     _, run = golden
     twin = tmp_path / "twin"
     profile(vision, twin, steps=30, checkpoint_every=10)

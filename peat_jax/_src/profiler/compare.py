@@ -1,9 +1,10 @@
-"""Where two golden runs of the same workload part ways.
+"""Where two golden runs of the same workload part ways, site by site (the per-step metrics
+are compared by `run_metrics.compare_runs`).
 
-`compare_runs` compares the per-step metrics (loss, ...). `compare` compares the recorded site
-statistics (`peat_jax._src.profiler.site_stats`) and localises the first step, and in it the first
-site in program order, whose output differs beyond noise, with the Analyzer's signature of the two
-recorded samples and the Detector's model. It reads only the two run directories.
+`compare` compares the recorded site statistics (`peat_jax._src.profiler.site_stats`) and
+localises the first step, and in it the first site in program order, whose output differs beyond
+noise, with the Analyzer's signature of the two recorded samples and the Detector's model. It
+reads only the two run directories.
 
 What "beyond noise" means here:
   * a site whose statistics (checksum, sample, scalar statistics) are bitwise equal in both runs
@@ -36,6 +37,7 @@ from peat_jax._src.precision import at_matmul_precision
 from peat_jax._src.profiler.golden import available_checkpoints, load_workload, restore
 from peat_jax._src.profiler.hostio import quiet, to_device
 from peat_jax._src.profiler.rundir import PathLike, RunDir, atomic_write_json, recorded_precision
+from peat_jax._src.profiler.run_metrics import same_workload
 from peat_jax._src.profiler.site_stats import (STATISTICS, StatsSite, StatsStep, read_sampling,
                                                read_sites, read_step, recorded_steps, unpack)
 from peat_jax._src.profiler.workload import Workload
@@ -55,97 +57,6 @@ scaled by one factor, where the Detector found no model in a sample too small fo
 test (it needs two values above the sample's RMS). Float32 sums of a scaled output round well
 below it; a factor this close to 1 is not called a scale."""
 
-
-@dataclasses.dataclass(frozen=True)
-class RunComparison:
-    """Where two golden runs of one workload part ways.
-
-    Attributes:
-      first_step: the first step at which some metric differs by more than the tolerance, or
-        None if they agree throughout.
-      metric: the metric that differs first (at `first_step`, the one with the largest relative
-        difference), or None.
-      values: (run a, run b) values of that metric at that step.
-      first_difference_step: the first step at which any metric differs at all (bitwise).
-      max_relative_difference: per metric, the largest |a - b| / max(|a|, |b|) over the steps.
-      steps: steps compared (the shorter run's length).
-      backends: (run a, run b) backend and device kind from the manifests.
-    """
-
-    first_step: Optional[int]
-    metric: Optional[str]
-    values: Optional[tuple[float, float]]
-    first_difference_step: Optional[int]
-    max_relative_difference: dict
-    steps: int
-    backends: tuple[str, str]
-
-    def summary(self) -> str:
-        a, b = self.backends
-        if self.first_step is None:
-            return f"{a} and {b} agree within tolerance over {self.steps} steps"
-        assert self.values is not None  # set together with first_step
-        va, vb = self.values
-        return (f"{a} and {b} diverge at step {self.first_step} on {self.metric!r}: "
-                f"{va:.6g} vs {vb:.6g}")
-
-
-def _same_workload(ra: RunDir, rb: RunDir) -> tuple[dict, dict]:
-    """Both manifests, once they are known to describe runs of one workload, config and seed."""
-    ma, mb = ra.manifest(), rb.manifest()
-    for key in ("workload", "config", "seed"):
-        if ma.get(key) != mb.get(key):
-            raise PeatError(f"{ra.path} and {rb.path} are not runs of the same workload setup: "
-                            f"{key} differs ({ma.get(key)!r} vs {mb.get(key)!r})")
-    return ma, mb
-
-
-def _rel(a: float, b: float) -> float:
-    if math.isnan(a) or math.isnan(b):
-        return 0.0 if (math.isnan(a) and math.isnan(b)) else math.inf
-    if a == b:
-        return 0.0
-    return abs(a - b) / max(abs(a), abs(b))
-
-
-def compare_runs(run_a: PathLike, run_b: PathLike, *, rtol: float = 1e-3) -> RunComparison:
-    """Compare the per-step golden metrics of two run directories of the same workload, config
-    and seed (made, e.g., on CPU and on CUDA). A metric diverges at the first step where its
-    relative difference exceeds `rtol`; the first bitwise difference is reported too."""
-    if not rtol >= 0:
-        raise PeatError(f"rtol must be >= 0, got {rtol}")
-    ra, rb = RunDir(run_a), RunDir(run_b)
-    ma, mb = _same_workload(ra, rb)
-    a, b = ra.golden_metrics(), rb.golden_metrics()
-    steps = min(len(a), len(b))
-    if steps == 0:
-        raise PeatError(f"no golden metrics to compare in {ra.path if not a else rb.path}")
-    metrics = sorted((set(a[0]) & set(b[0])) - {"step"})
-    worst: dict[str, float] = {m: 0.0 for m in metrics}
-    first_diff = None
-    first: Optional[tuple[int, str, tuple[float, float]]] = None
-    for i in range(steps):
-        rels: dict[str, float] = {}
-        for m in metrics:
-            va, vb = float(a[i][m]), float(b[i][m])
-            r = _rel(va, vb)
-            rels[m] = r
-            worst[m] = max(worst[m], r)
-            if first_diff is None and r > 0:
-                first_diff = i
-        if first is None:
-            over = {m: r for m, r in rels.items() if r > rtol}
-            if over:
-                m = max(over, key=over.__getitem__)
-                first = (i, m, (float(a[i][m]), float(b[i][m])))
-    backend = lambda m: f"{m.get('backend', '?')} ({m.get('device_kind', '?')})"  # noqa: E731
-    return RunComparison(first[0] if first else None, first[1] if first else None,
-                         first[2] if first else None, first_diff, worst, steps,
-                         (backend(ma), backend(mb)))
-
-
-# --------------------------------------------------------------------------------------------
-# Site statistics: the first step and site where two runs part ways
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
@@ -386,7 +297,7 @@ def compare(run_a: PathLike, run_b: PathLike, *, replay: bool = False,
 
 def _compare(run_a: PathLike, run_b: PathLike) -> Comparison:
     ra, rb = RunDir(run_a), RunDir(run_b)
-    ma, mb = _same_workload(ra, rb)
+    ma, mb = same_workload(ra, rb)
     sites = [s for s in _same_sites(ra, rb) if s.recorded]
     steps = sorted(set(recorded_steps(ra.site_stats)) & set(recorded_steps(rb.site_stats)))
     if not steps:
