@@ -2,9 +2,11 @@
 
 runtime_overhead_ratio: median time of a scheduled-injection train step on steps where the schedule
   does not fire, over the median time of the plain jitted train step (interleaved calls, same state
-  and batch). Goal <= 1.03 on CPU, <= 1.05 on a GPU. Measured with the candidate switched at every
-  dot_general site (the main figure), at one site, and for the vision workload
-  (`runtime_overhead_ratio_vision`). On a GPU both workloads run at `size="large"`.
+  and batch), with the switch `peat.runtime` uses on this backend (`switch`: "site" on CPU, "host"
+  on a GPU; see `peat_jax._src.schedule.SWITCHES`). Goal <= 1.03 on CPU, <= 1.05 on a GPU.
+  Measured with the candidate switched at every dot_general site (the main figure), at one site,
+  and for the vision workload (`runtime_overhead_ratio_vision`); `*_site` / `*_host` give both
+  switches side by side on both workloads. On a GPU both workloads run at `size="large"`.
 sweep_speedup: time to run the train step once per dot_general site with a fault at that site,
   recompiling per site (`jit(substitute(step, {i: fault}))`), over the time to do the same sweep on
   one compiled `switched` executable (its compile included). Goal >= 10 at >= 30 sites.
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 
 import peat_jax as peat
 from peat_jax import models
+from peat_jax._src.schedule import SWITCHES, InjectedStep, default_switch
 
 
 def _time(fn, *args) -> float:
@@ -35,10 +38,10 @@ def _time(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def overhead(train_step, state, batch, selector, repeats: int) -> float:
+def overhead(train_step, state, batch, selector, repeats: int, switch: str) -> float:
     plain = jax.jit(train_step)
-    injected = jax.jit(peat.inject(train_step, {selector: peat.faults.scale(2.0)},
-                                   peat.every(1_000_000, offset=999_999)))
+    injected = InjectedStep(train_step, {selector: peat.faults.scale(2.0)},
+                            peat.every(1_000_000, offset=999_999), switch=switch)
     jax.block_until_ready(plain(state, batch))
     jax.block_until_ready(injected(state, batch, 0))
     a, b = [], []
@@ -49,7 +52,7 @@ def overhead(train_step, state, batch, selector, repeats: int) -> float:
         else:
             b.append(_time(injected, state, batch, i))
             a.append(_time(plain, state, batch))
-    assert injected._cache_size() == 1, "injection recompiled"
+    assert injected.compiles() == 1, "injection recompiled"
     return statistics.median(b) / statistics.median(a)
 
 
@@ -109,16 +112,23 @@ def main() -> None:
     size = "large" if jax.default_backend() == "gpu" else "small"
     wl, state, batch = _workload("language", size)
     n_all = sum(s.primitive == "dot_general" for s in peat.list_sites(wl.train_step, state, batch))
-    ratio_all = overhead(wl.train_step, state, batch, "dot_general", repeats=41)
-    ratio_one = overhead(wl.train_step, state, batch, 0, repeats=41)
+    switch = default_switch()
+    other = "host" if switch == "site" else "site"
+    ratios = {s: overhead(wl.train_step, state, batch, "dot_general", 41, s)
+              for s in (switch, other)}
+    ratio_one = overhead(wl.train_step, state, batch, 0, 41, switch)
     fold = finite_fold(wl.train_step, state, batch, repeats=41)
     speedup, n, t_one, t_re = sweep(wl.train_step, state, batch, n_sites=n_all)
     vwl, vstate, vbatch = _workload("vision", size)
-    ratio_vision = overhead(vwl.train_step, vstate, vbatch, "dot_general", repeats=41)
+    vision = {s: overhead(vwl.train_step, vstate, vbatch, "dot_general", 41, s)
+              for s in (switch, other)}
     print(json.dumps({
-        "runtime_overhead_ratio": round(ratio_all, 4),
+        "runtime_overhead_ratio": round(ratios[switch], 4),
         "runtime_overhead_ratio_one_site": round(ratio_one, 4),
-        "runtime_overhead_ratio_vision": round(ratio_vision, 4),
+        "runtime_overhead_ratio_vision": round(vision[switch], 4),
+        "switch": switch,
+        **{f"runtime_overhead_ratio_{s}": round(ratios[s], 4) for s in SWITCHES},
+        **{f"runtime_overhead_ratio_vision_{s}": round(vision[s], 4) for s in SWITCHES},
         "finite_fold_ratio": round(fold, 4),
         "switched_sites": n_all,
         "sweep_speedup": round(speedup, 2),

@@ -277,6 +277,11 @@ def _select_str(sites: Sequence[Site], selector: str) -> list[Site]:
     by_name = [s for s in pool if s.primitive == pattern]
     if by_name:  # a primitive or region name wins over a path component of the same spelling
         return by_name
+    if "." in pattern and not any(c in pattern for c in "/*?["):
+        # a Flax module class by its dotted name ("flax.linen.LayerNorm", as intercepted): its
+        # region sites are named by the class ("LayerNorm")
+        cls = pattern.rsplit(".", 1)[1]
+        return [s for s in pool if s.composite and s.primitive == cls]
     return [s for s in pool if _path_matches(s.path, pattern)]
 
 

@@ -143,7 +143,7 @@ def test_a_command_runs_with_the_heap_it_found_frozen_and_leaves_it_as_it_was(mo
     (["bogus"], "invalid choice"),
     (["check", "pallas_layer_norm", "--shapes", "8x4"], "takes 3 operand(s)"),
     (["demo", "--steps", "0"], "positive integer"),
-    (["sites", "no_such_workload"], "neither a bundled name nor module.path:attribute"),
+    (["sites", "no_such_workload"], "neither a bundled name nor one of module.path:NAME"),
     (["check", "no_such_kernel"], "unknown kernel 'no_such_kernel'"),
     (["playback", "/nonexistent/run", "--fault", "scale(2.0)"], "does not exist"),
     (["runtime", "/nonexistent/run", "--fault", "nope(1)", "--every", "5"], "unknown fault 'nope'"),

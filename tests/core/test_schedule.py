@@ -93,3 +93,51 @@ def test_inject_rejects_bad_arguments(linen_train, mlp_data):
     f = peat.inject(train_step, {"dot_general": peat.faults.zero()}, peat.every(2))
     with pytest.raises(peat.PeatError, match="scalar"):
         f(state, mlp_data, jnp.arange(3))
+
+
+def _leaves_equal(a, b) -> bool:
+    return all(np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("switch,compiles", [("site", 1), ("host", 2)])
+def test_injected_step_fires_on_schedule_under_either_switch(linen_train, mlp_data, switch,
+                                                             compiles):
+    from peat_jax._src.schedule import InjectedStep
+    train_step, state = linen_train
+    plain = jax.jit(train_step)
+    step = InjectedStep(train_step, {"bwd:dot_general": peat.faults.scale(-4.0)},
+                        peat.every(3, offset=1), switch=switch)
+    for i in range(5):
+        new, metrics = step(state, mlp_data, i)
+        ref, ref_metrics = plain(state, mlp_data)
+        moved = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref)))
+        if i % 3 == 1:
+            assert moved > 1e-3, (switch, i)  # the fault changed the update
+        elif switch == "host":
+            assert _leaves_equal(new, ref)  # the plain step's own executable: bitwise
+        else:
+            assert moved < 1e-4, (switch, i)  # the switches in place: to an ULP or so
+    assert step.compiles() == compiles
+
+
+def test_host_and_site_switches_agree_on_firing_steps(linen_train, mlp_data):
+    from peat_jax._src.schedule import InjectedStep
+    train_step, state = linen_train
+    fault = peat.faults.bit_flip(bit_class="exponent", seed=3)
+    host, site = (InjectedStep(train_step, {"fwd:dot_general": fault}, peat.every(1),
+                               switch=s) for s in ("host", "site"))
+    a = [float(host(state, mlp_data, s)[1]["loss"]) for s in range(4)]
+    b = [float(site(state, mlp_data, s)[1]["loss"]) for s in range(4)]
+    np.testing.assert_allclose(a, b, rtol=1e-5)  # the same fault pattern at each step
+    assert len(set(a)) > 1
+    assert host.compiles() == 1  # every step fired: the plain step's program was never needed
+
+
+def test_the_switch_is_chosen_per_backend_and_checked(linen_train):
+    from peat_jax._src.schedule import InjectedStep, default_switch
+    assert default_switch("cpu") == "site"
+    assert default_switch("gpu") == "host" and default_switch("rocm") == "host"
+    with pytest.raises(peat.PeatError, match="switch must be one of site, host"):
+        InjectedStep(linen_train[0], {}, peat.every(2), switch="both")

@@ -132,6 +132,11 @@ def test_flax_module_regions_in_scan_remat_transformer(gpt):
     assert sum(s.phase == "bwd" and len(s.out_shapes) == 3 for s in ln) == 3
     without = peat.list_sites(jax.value_and_grad(loss), params, tokens)
     assert not any(s.composite for s in without)
+    # the class's dotted name, as it was intercepted, selects its regions (named by the class)
+    assert peat.select(sites, "flax.linen.LayerNorm") == ln
+    assert peat.select(sites, "fwd:flax.linen.LayerNorm") == [s for s in ln if s.phase == "fwd"]
+    with pytest.raises(peat.PeatError, match="matches no site"):
+        peat.select(sites, "flax.linen.RMSNorm")
 
 
 def test_selectors(linen_mlp, mlp_data):

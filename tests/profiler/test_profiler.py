@@ -85,14 +85,17 @@ def test_profile_bad_arguments(vision, tmp_path, kwargs, match):
         profile(vision, tmp_path / "r", **kwargs)
 
 
-def test_runtime_exponent_bit_flip_every_10th_step_is_classified(golden):
+@pytest.mark.parametrize("switch,compiles", [(None, 1), ("host", 2)])
+def test_runtime_exponent_bit_flip_every_10th_step_is_classified(golden, switch, compiles):
     _, run = golden
     fault = peat.faults.bit_flip(bit=30)  # the top exponent bit: x * 2**128 or a tiny value
-    r = runtime(run, {"fwd:dot_general": fault}, peat.every(10, offset=4), steps=30)
+    r = runtime(run, {"fwd:dot_general": fault}, peat.every(10, offset=4), steps=30,
+                switch=switch)
     assert r.fired_steps == (4, 14, 24)
     assert r.outcome != "masked" and r.outcome in taxonomy.OUTCOMES
     assert r.losses[:4] == r.golden_losses[:4]  # identical before the first firing step
-    assert r.evidence["compiles"] == 1
+    assert r.evidence["compiles"] == compiles
+    assert r.evidence["switch"] == (switch or "site")  # XLA:CPU's default: one executable
 
 
 def test_runtime_correct_kernel_is_masked(golden):
@@ -120,6 +123,8 @@ def test_runtime_bad_arguments(golden, tmp_path):
         runtime(tmp_path / "nope", sub, peat.every(2), steps=3)
     with pytest.raises(peat.PeatError, match="schedule"):
         runtime(run, sub, 5, steps=3)
+    with pytest.raises(peat.PeatError, match="switch must be one of"):
+        runtime(run, sub, peat.every(2), steps=3, switch="per-step")
 
 
 def _curve(n=60, seed=0):

@@ -314,3 +314,18 @@ def test_bad_inputs_are_one_line_errors(make, match):
     with pytest.raises(peat.PeatError, match=match) as e:
         make()
     assert "\n" not in str(e.value) and not getattr(e.value, "__notes__", None)
+
+
+def test_peat_playback_takes_a_kernel_from_a_file(tmp_path, monkeypatch, capsys):
+    (tmp_path / "wf_factory_mod.py").write_text(textwrap.dedent(FACTORY_MODULE))
+    (tmp_path / "my_kernels.py").write_text(
+        "import peat_jax as peat\n\ndef blocked():\n    return peat.kernels.blocked_matmul(8)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = tmp_path / "run"
+    assert cli.main(["profile", "wf_factory_mod:make", "--out", str(run), "--steps", "2",
+                     "--checkpoint-every", "1", "--json"]) == 0
+    capsys.readouterr()
+    rc = cli.main(["playback", str(run), "--kernel", f"{tmp_path / 'my_kernels.py'}:blocked",
+                   "--checkpoints", "1", "--json"])
+    cells = json.loads(capsys.readouterr().out)["cells"]
+    assert rc == 0 and cells and all(c["local"]["passed"] for c in cells)

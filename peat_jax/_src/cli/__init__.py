@@ -25,10 +25,10 @@
                                                the grid (without --coordinator: share I alone)
   peat report RUN_DIR                          (re)write RUN_DIR/report.html
 
-TARGET: a bundled workload name, or `module.path:attribute` naming a `peat.Workload` or a
-zero-argument callable returning one (loaded only when named). KERNEL: a bundled kernel name
-(`peat check --help` lists them) or `module.path:attribute` (a `peat.Kernel` or a factory);
-for `peat check` also `path/to/file.py:NAME` or a dotted name, any function (`kernel_spec`).
+TARGET: a bundled workload name, or `module.path:NAME` (or `path/to/file.py:NAME`, or a dotted
+name) naming a `peat.Workload` or a zero-argument callable returning one (loaded only when named).
+KERNEL: a bundled kernel name (`peat check --help` lists them) or a name as for TARGET (a
+`peat.Kernel` or a factory); for `peat check` any function (`kernel_spec`).
 A kernel goes to its own primitive's sites unless --sites says otherwise; one whose primitive is
 a library function's dotted name (jax.nn.dot_product_attention) has that function intercepted
 (`peat.intercept`; --intercept NAME for others) in sites, profile, playback and runtime.

@@ -181,7 +181,7 @@ def cmd_runtime(args) -> int:
     with ProgressBar(not args.json) as p, peat.intercept(*intercepted(args, cand, sel)):
         r = peat.runtime(run_dir, {sel: cand}, schedule,
                          steps=steps, name=args.name or f"runtime-{cand.name}",
-                         progress=p.task("training with injection"))
+                         progress=p.task("training with injection"), switch=args.switch)
     peat.report.write_report(run_dir)
     if args.json:
         print_json(args, r.to_dict())

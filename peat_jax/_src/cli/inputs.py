@@ -3,7 +3,6 @@ specs, faults, selectors, schedules."""
 from __future__ import annotations
 
 import ast
-import importlib
 from typing import Any, Callable, Optional
 
 import jax
@@ -36,18 +35,12 @@ REGION_KERNELS: dict[str, tuple[Callable[[], "peat.Kernel"], Callable, str]] = {
 
 
 def load_attr(spec: str, what: str) -> Any:
-    if ":" not in spec:
-        raise PeatError(f"{what} {spec!r} is neither a bundled name nor module.path:attribute")
-    mod, _, attr = spec.partition(":")
-    try:
-        obj = importlib.import_module(mod)
-    except ImportError as e:
-        raise PeatError(f"cannot import module {mod!r} for {what} {spec!r}: {e}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise PeatError(f"module {mod!r} has no attribute {attr!r} (from {what} {spec!r})")
-        obj = getattr(obj, part)
-    return obj
+    """The object `spec` names (module.path:NAME, path/to/file.py:NAME or a dotted name; see
+    `kernel_spec.load`), for a `what` that is not a bundled name."""
+    if ":" not in spec and "." not in spec:
+        raise PeatError(f"{what} {spec!r} is neither a bundled name nor one of "
+                        f"{kernel_spec.SPEC_FORMS}")
+    return kernel_spec.load(spec, what)
 
 
 def named_workload(target: str) -> peat.Workload:
@@ -65,10 +58,10 @@ def named_workload(target: str) -> peat.Workload:
 def named_kernel(spec: str) -> peat.Kernel:
     if spec in KERNELS:
         return KERNELS[spec]()
-    obj = load_attr(spec, "kernel") if ":" in spec else None
-    if obj is None:
+    if ":" not in spec and "." not in spec:
         raise PeatError(f"unknown kernel {spec!r}; bundled kernels: {', '.join(KERNELS)}, or give "
-                        "module.path:attribute")
+                        f"{kernel_spec.SPEC_FORMS}")
+    obj = load_attr(spec, "kernel")
     obj = kernel_spec.as_function(obj, spec)    # a factory taking no arguments is called
     if not isinstance(obj, peat.Kernel):
         raise PeatError(f"{spec!r} is not a peat.Kernel (got {type(obj).__name__})")

@@ -11,6 +11,7 @@ from peat_jax._src.cli.commands import (cmd_compare, cmd_demo, cmd_playback, cmd
 from peat_jax._src.cli.inputs import KERNELS, REGION_KERNELS
 from peat_jax._src.precision import MATMUL_PRECISIONS
 from peat_jax._src.profiler import distributed
+from peat_jax._src.schedule import SWITCHES
 
 
 class Parser(argparse.ArgumentParser):
@@ -82,8 +83,9 @@ def _processes(sp, playback: bool = False) -> None:
 
 def _candidate(sp, campaign: bool = True) -> None:
     sp.add_argument("--kernel",
-                    help=f"bundled kernel ({', '.join(KERNELS)}) or module:attribute (any "
-                         "peat.Kernel, or a factory returning one)")
+                    help=f"bundled kernel ({', '.join(KERNELS)}) or module.path:NAME, "
+                         "path/to/file.py:NAME or a dotted name (any peat.Kernel, or a factory "
+                         "returning one)")
     sp.add_argument("--fault", help='a fault, e.g. "bit_flip(bit=30)" or "scale(2.0)"')
     sp.add_argument("--sites", help="site selector(s), comma-separated (default: the "
                                     "kernel's primitive or function, else dot_general)")
@@ -101,9 +103,12 @@ def _add_demo(sub) -> None:
     d.set_defaults(func=cmd_demo)
 
 
+WORKLOAD_HELP = "bundled workload, or module.path:NAME, path/to/file.py:NAME or a dotted name"
+
+
 def _add_sites(sub) -> None:
     s = sub.add_parser("sites", help="list the op sites of a workload's train step")
-    s.add_argument("target", help="bundled workload or module.path:attribute")
+    s.add_argument("target", help=WORKLOAD_HELP)
     s.add_argument("--primitive", action="append", help="only these primitives (repeatable)")
     _intercept(s)
     _common(s)
@@ -112,7 +117,7 @@ def _add_sites(sub) -> None:
 
 def _add_profile(sub) -> None:
     pr = sub.add_parser("profile", help="golden run: train, keep Orbax checkpoints and metrics")
-    pr.add_argument("target", help="bundled workload or module.path:attribute")
+    pr.add_argument("target", help=WORKLOAD_HELP)
     pr.add_argument("--out", required=True, help="run directory")
     pr.add_argument("--steps", type=positive, help="training steps (default: the workload's)")
     pr.add_argument("--checkpoint-every", type=positive, default=50)
@@ -163,6 +168,10 @@ def _add_runtime(sub) -> None:
     rt.add_argument("--at-steps", help="fire at these steps, comma-separated")
     rt.add_argument("--probability", type=float, help="fire with this probability per step")
     rt.add_argument("--steps", type=positive, help="steps (default: the whole golden run)")
+    rt.add_argument("--switch", choices=SWITCHES,
+                    help="site: a conditional at each selected site, one executable; host: the "
+                         "plain step's executable on steps that do not fire, chosen on the host "
+                         "(default: site on CPU, host on a GPU)")
     _processes(rt)
     _common(rt)
     rt.set_defaults(func=cmd_runtime)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from peat_jax._src import _jax, taxonomy
+from peat_jax._src import taxonomy
 from peat_jax._src.errors import PeatError
 from peat_jax._src.precision import at_matmul_precision
 from peat_jax._src.profiler.campaign import substitution_digest
@@ -23,7 +23,7 @@ from peat_jax._src.profiler.nan_origin import NanOrigin, golden_absmax, step_nan
 from peat_jax._src.profiler.rundir import (PathLike, RunDir, atomic_write_json, recorded_precision,
                                            run_identity)
 from peat_jax._src.profiler.workload import Workload
-from peat_jax._src.schedule import Schedule, inject
+from peat_jax._src.schedule import InjectedStep, Schedule, default_switch
 from peat_jax._src.substitute import Substitution
 
 
@@ -255,7 +255,8 @@ class RuntimeStore:
 def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substitution,
             schedule: Schedule, *, steps: int, workload: Optional[Workload] = None,
             regions: Sequence[type] = (), name: Optional[str] = None, seed: int = 0,
-            chunk: Optional[int] = None, progress=None) -> RuntimeResult:
+            chunk: Optional[int] = None, progress=None,
+            switch: Optional[str] = None) -> RuntimeResult:
     """Train `steps` steps with `substitution` active on the steps `schedule` picks.
 
     From a run directory: starts from its step-0 checkpoint and compares with its recorded golden
@@ -287,13 +288,14 @@ def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substi
         with runtime_writer(RunDir(run_dir_or_workload).path, name):
             return _runtime(run_dir_or_workload, substitution, schedule, steps=steps,
                             workload=workload, regions=regions, name=name, seed=seed,
-                            chunk=chunk, progress=progress)
+                            chunk=chunk, progress=progress, switch=switch)
     return _runtime(run_dir_or_workload, substitution, schedule, steps=steps, workload=workload,
-                    regions=regions, name=name, seed=seed, chunk=chunk, progress=progress)
+                    regions=regions, name=name, seed=seed, chunk=chunk, progress=progress,
+                    switch=switch)
 
 
 def _runtime(run_dir_or_workload, substitution, schedule, *, steps, workload, regions, name,
-             seed, chunk, progress) -> RuntimeResult:
+             seed, chunk, progress, switch) -> RuntimeResult:
     """`runtime`'s work, under its lock where it writes."""
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps <= 0:
         raise PeatError(f"steps must be a positive int, got {steps!r}")
@@ -327,7 +329,8 @@ def _runtime(run_dir_or_workload, substitution, schedule, *, steps, workload, re
             store = RuntimeStore(rd.campaign(name),
                                  runtime_spec(m, substitution, schedule, steps, regions))
             chunk = int(chunk or m["checkpoint_every"])
-    step_fn = jax.jit(_with_finite(inject(wl.train_step, substitution, schedule, regions=regions)))
+    step_fn = InjectedStep(wl.train_step, substitution, schedule, regions=regions,
+                           switch=switch or default_switch(), wrap=_with_finite)
     plain = jax.jit(wl.train_step) if golden is None else None
     resumed = store.progress() if store is not None else None
     if store is not None and resumed is None:
@@ -361,7 +364,8 @@ def _runtime(run_dir_or_workload, substitution, schedule, *, steps, workload, re
     golden = golden if golden is not None else golden_run
     fired = schedule.fired_steps(range(steps))
     outcome, band, ev = classify_outcome(losses, golden, fired)
-    ev["compiles"] = _jax.cache_size(step_fn)
+    ev["compiles"] = step_fn.compiles()
+    ev["switch"] = step_fn.switch
     result = RuntimeResult(outcome=outcome, losses=tuple(losses), golden_losses=tuple(golden),
                            fired_steps=tuple(fired), band=band, evidence=ev,
                            schedule=str(schedule), nan_origin=origin,
