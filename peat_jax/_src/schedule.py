@@ -140,7 +140,7 @@ def inject(train_step: Callable, substitution: Substitution, schedule: Schedule,
 
 
 SWITCHES = ("site", "host")
-"""Where a run with runtime injection switches the candidate on and off (`compile_injection`):
+"""Where a run with runtime injection switches the candidate on and off (`InjectedStep`):
   * "site": one executable, `peat.inject`'s `lax.cond` at each selected site on the traced step;
   * "host": two executables, the plain step and the step with the candidate always on, chosen on
     the host from the schedule (known there before each step)."""
@@ -149,7 +149,7 @@ SWITCHES = ("site", "host")
 def default_switch(backend: Optional[str] = None) -> str:
     """The switch `peat.runtime` uses on `backend` (default: jax's default backend).
 
-    "site" on XLA:CPU: measured there at 0.98-1.03x the plain step on steps that do not fire,
+    "site" on XLA:CPU: measured there at 0.98-1.06x the plain step on steps that do not fire,
     where one program with a whole-step branch cost 6.5-12x (the CNN's convolutions inside a
     conditional branch). "host" elsewhere: on an H200 the per-site switches cost 1.39x the plain
     step (vision, large preset), as the conditionals split XLA:GPU's fusions, while a step that
