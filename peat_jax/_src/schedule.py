@@ -97,10 +97,11 @@ def with_probability(p: float, seed: int = 0) -> Schedule:
 
 
 class _Injected(Substituted):
-    def __init__(self, train_step, substitution, schedule, **kw):
-        if not isinstance(schedule, Schedule):
-            raise PeatError(f"inject needs a peat schedule (peat.every / peat.at_steps / "
-                            f"peat.with_probability), got {type(schedule).__name__}")
+    """`step_fn(state, batch, step)`: the candidate on where `schedule` fires on `step` (a
+    `lax.cond` per site), or always when `schedule` is None (no conditional: the step where a
+    host-side switch fires); a fault's key from `step`."""
+
+    def __init__(self, train_step, substitution, schedule: Optional[Schedule], **kw):
         super().__init__(train_step, substitution, **kw)
         self.schedule = schedule
 
@@ -108,7 +109,7 @@ class _Injected(Substituted):
         step = jnp.asarray(step, jnp.int32)
         if step.ndim != 0:
             raise PeatError(f"the step must be a scalar int, got shape {step.shape}")
-        on = self.schedule(step)
+        on = None if self.schedule is None else self.schedule(step)
         return self.run((state, batch), {}, lambda site: on, step_fault_key(step))
 
 
@@ -136,6 +137,9 @@ def inject(train_step: Callable, substitution: Substitution, schedule: Schedule,
     pattern. `primitives` and `regions` (Flax module classes or dotted names of library
     functions, `peat.intercept`) as in `peat.list_sites`.
     """
+    if not isinstance(schedule, Schedule):
+        raise PeatError(f"inject needs a peat schedule (peat.every / peat.at_steps / "
+                        f"peat.with_probability), got {type(schedule).__name__}")
     return _Injected(train_step, substitution, schedule, primitives=primitives, regions=regions)
 
 
@@ -158,14 +162,6 @@ def default_switch(backend: Optional[str] = None) -> str:
     return "site" if (backend or jax.default_backend()) == "cpu" else "host"
 
 
-class _Firing(Substituted):
-    """The step where the schedule fires: the candidate always on, a fault's key from `step`."""
-
-    def __call__(self, state, batch, step):
-        step = jnp.asarray(step, jnp.int32)
-        return self.run((state, batch), {}, lambda site: None, step_fault_key(step))
-
-
 class InjectedStep:
     """A compiled injected step, `step_fn(state, batch, step)`, switched as `switch` says (see
     `SWITCHES`); `wrap(fn)` is applied to each program before it is jitted (it keeps the
@@ -183,8 +179,9 @@ class InjectedStep:
             self._programs = [jax.jit(wrap(inject(train_step, substitution, schedule,
                                                   regions=regions)))]
         else:
+            always = _Injected(train_step, substitution, None, regions=regions)
             self._programs = [jax.jit(wrap(lambda state, batch, step: train_step(state, batch))),
-                              jax.jit(wrap(_Firing(train_step, substitution, regions=regions)))]
+                              jax.jit(wrap(always))]
         self._fired: dict[int, frozenset[int]] = {}
 
     def fires(self, step: int) -> bool:

@@ -241,6 +241,8 @@ def test_killed_runtime_run_resumes_from_its_last_chunk_with_the_same_result(gol
         runtime(run, sub, peat.every(3), steps=STEPS, name="runtime-killed")
     with pytest.raises(peat.PeatError, match="unfinished runtime run with another steps"):
         runtime(run, sub, schedule, steps=STEPS - 1, name="runtime-killed")
+    with pytest.raises(peat.PeatError, match="unfinished runtime run with another switch"):
+        runtime(run, sub, schedule, steps=STEPS, name="runtime-killed", switch="host")
 
     proc = subprocess.run([sys.executable, "-m", "peat_jax", "runtime", str(run), "--fault", FAULT,
                            "--sites", SELECTOR, "--every", "2", "--name", "runtime-killed",
@@ -532,6 +534,8 @@ def test_api_bad_arguments_are_one_line_errors_and_write_nothing(golden, tmp_pat
          "matches no site"),
         (lambda: profile("vision", tmp_path / "r", steps=2, checkpoint_every=1),
          "profile needs a peat.Workload"),
+        (lambda: runtime(run, _sub(), peat.every(2), steps=2, name="nothing", switch=""),
+         "switch must be one of site, host"),
     ]
     for call, match in cases:
         with pytest.raises(peat.PeatError, match=match) as e:

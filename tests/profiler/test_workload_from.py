@@ -329,3 +329,47 @@ def test_peat_playback_takes_a_kernel_from_a_file(tmp_path, monkeypatch, capsys)
                    "--checkpoints", "1", "--json"])
     cells = json.loads(capsys.readouterr().out)["cells"]
     assert rc == 0 and cells and all(c["local"]["passed"] for c in cells)
+
+
+LAYER_NORM_MODULE = '''
+import numpy as np, jax, jax.numpy as jnp, optax
+import flax.linen as nn
+import peat_jax as peat
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1)(nn.LayerNorm()(nn.Dense(16)(x)))
+
+def data(step):
+    x = np.random.default_rng(step).standard_normal((8, 3)).astype(np.float32)
+    return x, x @ np.array([[1.0], [-2.0], [0.5]], np.float32)
+
+def make():
+    net = Net()
+    params = net.init(jax.random.key(0), jnp.zeros((8, 3)))
+    loss = lambda p, b: jnp.mean((net.apply(p, b[0]) - b[1]) ** 2)
+    return peat.workload_from(loss, params, optax.adamw(0.01), data, name="wf_ln")
+
+peat.register_workload("wf_ln", make)
+'''
+
+
+def test_a_region_kernel_goes_to_its_regions_without_sites(tmp_path, monkeypatch, capsys):
+    """`peat playback --kernel` of a kernel that declares its region (flax_layer_norm:
+    flax.linen.LayerNorm) intercepts that class and plays back at its sites, forward and
+    backward, without --sites."""
+    (tmp_path / "wf_ln_mod.py").write_text(textwrap.dedent(LAYER_NORM_MODULE))
+    (tmp_path / "ln_kernels.py").write_text(
+        "import peat_jax as peat\n\ndef ln():\n    return peat.kernels.flax_layer_norm()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = tmp_path / "run"
+    assert cli.main(["profile", "wf_ln_mod:make", "--out", str(run), "--steps", "2",
+                     "--checkpoint-every", "1", "--json"]) == 0
+    capsys.readouterr()
+    rc = cli.main(["playback", str(run), "--kernel", "ln_kernels:ln",
+                   "--checkpoints", "1", "--json"])
+    cells = json.loads(capsys.readouterr().out)["cells"]
+    assert rc == 0 and len(cells) == 2, cells
+    assert {c["phase"] for c in cells} == {"fwd", "bwd"}
+    assert all(c["primitive"] == "LayerNorm" and c["local"]["passed"] for c in cells), cells

@@ -102,9 +102,10 @@ def candidate_of(args) -> Any:
 
 
 def default_sites(cand) -> str:
-    """The selector a candidate goes to without --sites: a kernel's own primitive or region
-    (`jax.nn.dot_product_attention` for a kernel of that function), else dot_general."""
-    return getattr(cand, "primitive", None) or "dot_general"
+    """The selector a candidate goes to without --sites: a kernel's own region
+    (`flax.linen.LayerNorm`) or primitive (`jax.nn.dot_product_attention` for a kernel of that
+    function), else dot_general."""
+    return getattr(cand, "region", None) or getattr(cand, "primitive", None) or "dot_general"
 
 
 def function_names(selector) -> list[str]:
@@ -131,9 +132,9 @@ def intercepted(args, cand=None, selector=None) -> list[str]:
     those the selector names."""
     names = [n.strip() for text in (getattr(args, "intercept", None) or [])
              for n in text.split(",") if n.strip()]
-    prim = getattr(cand, "primitive", None)
-    if isinstance(cand, peat.Kernel) and isinstance(prim, str) and "." in prim:
-        names.append(prim)
+    for own in (getattr(cand, "region", None), getattr(cand, "primitive", None)):
+        if isinstance(cand, peat.Kernel) and isinstance(own, str) and "." in own:
+            names.append(own)
     if selector is not None:
         names += function_names(selector)
     return list(dict.fromkeys(names))

@@ -35,14 +35,30 @@ non-finite, while the reference's own order computes it exactly (0 for the row's
 non-finite element of a sample excuses nothing (the spread is over the finite ones,
 `analyzer.noise.rounding_floor`), so there the other half's spread stands.
 
+Another algorithm need not share roundings that the reference's program shares. Each sample
+follows every value's accumulated rounding (its size, to first order, in quadrature) through
+data movement, the linear operations and ``exp`` (where the exponent's rounding is below
+`_FIRST_ORDER`), and in every sample:
+
+* an addition or subtraction, and a quotient, add their operands' accumulated roundings drawn
+  afresh: the reference's ``dP - rowsum(P * dP)`` over a one-hot P subtracts dP's rounding from
+  itself, exactly 0, where an attention backward's ``dP - rowsum(dO * O)`` rounds the two sides
+  apart; a softmax's ``e / sum(e)`` cancels at a row's dominant element the rounding e shares
+  with its sum, where ``exp(s - lse)`` from a saved log-sum-exp does not;
+* unless one operand is a selection of the other (`_SELECTING`: a row's maximum is one of its
+  elements, so ``s - max(s)`` is 0 at the maximum in every implementation);
+* an operand that is a broadcast rounds once per element of what was broadcast (a row's ``m +
+  log l`` is one rounding shared by the row), not once per element of the result.
+
 What it can excuse: any difference a correct implementation of the reference's algorithm in the
 same precision shows by computing in another order, with another accumulation tree, another
 libm, or fused multiply-adds; and another correct formula whose intermediate values round at
 the scale of the reference's operands (a softmax through its log-sum-exp, ``exp(s - (m + log
-l))``: ``m + log l`` rounds at the scale of m, as ``s - m`` may in another order). What it
-cannot: a different algorithm whose rounding is amplified
-differently (an unstable formula: the candidate's own float64 run tells those apart,
-`detector.by_float64`), nor a narrower precision than the traced program's.
+l))``: ``m + log l`` rounds at the scale of m, as ``s - m`` may in another order), or that
+computes one quantity twice where the reference reuses it (``rowsum(dO * O)`` for ``rowsum(P *
+dP)``). What it cannot: a different algorithm whose rounding is amplified differently (an
+unstable formula: the candidate's own float64 run tells those apart, `detector.by_float64`), nor
+a narrower precision than the traced program's.
 """
 from __future__ import annotations
 
@@ -129,15 +145,39 @@ def _terms(eqn, invals) -> tuple[Any, int]:
 
 _ADDITIONS = frozenset({"add", "sub", "add_any"})
 
+_MOVED = frozenset({"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "slice",
+                    "dynamic_slice", "gather", "rev"})
+"""Data movement of a first (float) operand: its accumulated rounding moves with it."""
+
+_KEPT = frozenset({"neg", "copy", "copy_p", "convert_element_type", "reduce_precision",
+                   "stop_gradient"})
+"""Operations that keep their operand's accumulated rounding as it is."""
+
+_SELECTING = frozenset({"reduce_max", "reduce_min", "argmax", "argmin", "cummax", "cummin"})
+"""Reductions whose result is one of their operand's elements: any implementation subtracts a
+row's maximum from the row it took it from, so their roundings are shared, not independent."""
+
+
+def _var_key(v):
+    return None if isinstance(v, _jax.Literal) else v
+
 
 class _Perturb:
     """The `promote.Hook` of one Monte Carlo sample: perturbs every rounded result (see the
-    module docstring) with uniforms drawn from `key`, one fold per equation."""
+    module docstring) with uniforms drawn from `key`, one fold per equation.
+
+    It also follows, through the linear operations and data movement, the accumulated rounding
+    of every value (``accumulated``: its size, in the value's units, combined in quadrature), and
+    which values are broadcasts (``broadcasts``: the equation that made each), for the
+    operand-scale samples' additions (module docstring)."""
 
     def __init__(self, key, operand_scale):
         self.key = key
         self.operand_scale = operand_scale   # 1.0: additions round at their operands' scale
         self.count = 0
+        self.accumulated: dict = {}
+        self.broadcasts: dict = {}
+        self.selected: set = set()
 
     def in_iteration(self, i) -> "_Perturb":
         return _Perturb(jax.random.fold_in(self.key, 1_000_003 + self.count + 7919 * i),
@@ -148,11 +188,31 @@ class _Perturb:
         return jax.random.uniform(jax.random.fold_in(self.key, self.count), shape, jnp.float64,
                                   -1.0, 1.0)
 
+    def _operand_uniform(self, v, shape):
+        """A uniform per element of an addition's operand `v`, drawn once per element of what
+        was broadcast when `v` is a broadcast (its rounding in another order is shared along
+        the broadcast dimensions: a row's ``m + log l``)."""
+        made = self.broadcasts.get(_var_key(v))
+        if made is None or tuple(made.outvars[0].aval.shape) != tuple(shape):
+            return self._uniform(shape)
+        source = self._uniform(made.invars[0].aval.shape)
+        return _jax.bind(made, [source])[0]
+
+    def _rounding_of(self, v):
+        return self.accumulated.get(_var_key(v))
+
     def __call__(self, eqn, invals: Sequence[Any], outs: list) -> list:
         name = eqn.primitive.name
+        if name == "broadcast_in_dim" and len(eqn.invars) == 1:
+            self.broadcasts[eqn.outvars[0]] = eqn
+        if name in _SELECTING or (name in _MOVED | _KEPT | {"max", "min"} and any(
+                _var_key(v) in self.selected for v in eqn.invars)):
+            self.selected.add(eqn.outvars[0])
+        carried = _carried(eqn, invals, [self._rounding_of(v) for v in eqn.invars])
         if name in EXACT and name != "convert_element_type":
+            self._keep(eqn, carried, None)
             return outs
-        done = []
+        done, own = [], None
         for v, y in zip(eqn.outvars, outs):
             dtype = v.aval.dtype
             if not (_is_float(y) and jnp.issubdtype(dtype, jnp.floating)):
@@ -162,20 +222,126 @@ class _Perturb:
             if name == "convert_element_type":
                 narrower = _is_float(eqn.invars[0].aval) and \
                     unit_roundoff(eqn.invars[0].aval.dtype) < u
+                own = u * jnp.abs(y) if narrower else None
                 done.append(y * (1 + u * self._uniform(y.shape)) if narrower else y)
             elif name in SUMMING and len(done) == 0:
-                sq, k = _terms(eqn, invals)
-                depth = math.sqrt(math.log2(k) + 1)
-                terms = jnp.sqrt(sq) if name not in _ADDITIONS else \
-                    self.operand_scale * jnp.sqrt(sq)
-                spread = jnp.abs(y) * self._uniform(y.shape) + terms * self._uniform(y.shape)
-                # a term that is not finite leaves the result as it is (an infinite mask
-                # value, an overflow): rounding moves nothing there
-                done.append(y + jnp.where(jnp.isfinite(spread), u * depth * spread, 0.0))
+                y, own = self._summed(eqn, invals, y, u)
+                done.append(y)
             else:
                 amp = 2 * u if name in TRANSCENDENTAL else u
+                own = amp * jnp.abs(y) if len(done) == 0 else None
+                if name == "div":
+                    y = y + self._quotient_shift(eqn, invals)
                 done.append(y * (1 + amp * self._uniform(y.shape)))
+        if name in ("exp", "exp2") and self._rounding_of(eqn.invars[0]) is not None:
+            carried = _through_exp(name, self._rounding_of(eqn.invars[0]), outs[0])
+        self._keep(eqn, carried, own)
         return done
+
+    def _quotient_shift(self, eqn, invals):
+        """Another algorithm's shift of ``a / b``: the operands' accumulated roundings drawn
+        independently (a softmax normalised by its own sum cancels the rounding the
+        numerator shares with the sum; one from a saved log-sum-exp does not), to first
+        order; 0 where one operand is a selection of the other, or it is not finite."""
+        a, b = invals
+        ra, rb = (self._rounding_of(v) for v in eqn.invars)
+        if (ra is None and rb is None) or any(_var_key(v) in self.selected
+                                              for v in eqn.invars):
+            return 0.0
+        shift = 0.0
+        if ra is not None:
+            shift = shift + ra / jnp.abs(b) * self._operand_uniform(eqn.invars[0], np.shape(a))
+        if rb is not None:
+            shift = shift + jnp.abs(a) * rb / (b * b) * \
+                self._operand_uniform(eqn.invars[1], np.shape(b))
+        return jnp.where(jnp.isfinite(shift), shift, 0.0)
+
+    def _summed(self, eqn, invals, y, u):
+        """(y perturbed, the size of its own rounding) for a `SUMMING` equation's output."""
+        sq, k = _terms(eqn, invals)
+        depth = math.sqrt(math.log2(k) + 1)
+        if eqn.primitive.name in _ADDITIONS:
+            # another order rounds each operand's part at its own scale; another algorithm
+            # need not share the operands' accumulated rounding, which the reference's order
+            # may cancel (D = rowsum(dO * O) against the reference's sum of dP * P), unless one
+            # operand is a selection of the other (s - max(s))
+            independent = not any(_var_key(v) in self.selected for v in eqn.invars)
+            parts = jnp.zeros_like(y)
+            for v, x in zip(eqn.invars, invals):
+                if not _is_float(x):
+                    continue
+                scale = self.operand_scale * u * depth * jnp.abs(x)
+                carried = self._rounding_of(v)
+                if carried is not None and independent:
+                    scale = scale + carried
+                parts = parts + scale * self._operand_uniform(v, np.shape(x))
+            shift = u * depth * jnp.abs(y) * self._uniform(y.shape) + parts
+        else:
+            shift = u * depth * (jnp.abs(y) * self._uniform(y.shape) +
+                                 jnp.sqrt(sq) * self._uniform(y.shape))
+        # a term that is not finite leaves the result as it is (an infinite mask value, an
+        # overflow): rounding moves nothing there
+        y = y + jnp.where(jnp.isfinite(shift), shift, 0.0)
+        return y, u * depth * jnp.sqrt(y * y + sq)
+
+    def _keep(self, eqn, carried, own) -> None:
+        """Record the first output's accumulated rounding: what its operands carried into it
+        and its own, in quadrature; nothing where neither is known or it is not finite."""
+        if not eqn.outvars:
+            return
+        total = carried if own is None else own if carried is None else \
+            jnp.sqrt(carried * carried + own * own)
+        if total is not None:
+            self.accumulated[eqn.outvars[0]] = jnp.where(jnp.isfinite(total), total, 0.0)
+
+
+_FIRST_ORDER = 2.0 ** -7
+"""The largest rounding of an exponent carried through ``exp`` (to first order, as a relative
+rounding of its result); beyond, the sample's own perturbation shows what it does."""
+
+
+def _through_exp(name, rounding, y):
+    """The accumulated rounding `rounding` of an exponent carried into ``y = exp(x)`` (or
+    ``exp2``): ``|y| * rounding`` (times log 2), where that is first order."""
+    r = rounding * (math.log(2.0) if name == "exp2" else 1.0)
+    return jnp.abs(y) * jnp.where(r < _FIRST_ORDER, r, 0.0)
+
+
+def _carried(eqn, invals, rounding) -> Any:
+    """The accumulated rounding of the operands carried into `eqn`'s first output, to first
+    order (in quadrature), for data movement and the linear operations; None for any other
+    operation (its own rounding starts afresh) or when no operand carries any."""
+    name = eqn.primitive.name
+    if all(r is None for r in rounding):
+        return None
+    r = [jnp.zeros_like(x) if a is None and _is_float(x) else a
+         for a, x in zip(rounding, invals)]
+    sq = lambda x: x * x  # noqa: E731
+    if name in _KEPT:
+        return r[0]
+    if name in _MOVED:
+        return None if rounding[0] is None else _jax.bind(eqn, [r[0], *invals[1:]])[0]
+    if name == "select_n":
+        return _jax.bind(eqn, [invals[0], *[
+            jnp.broadcast_to(a, np.shape(x)) for a, x in zip(r[1:], invals[1:])]])[0]
+    if name in _ADDITIONS:
+        return jnp.sqrt(sq(r[0]) + sq(r[1]))
+    if name == "mul":
+        return jnp.sqrt(sq(r[0] * invals[1]) + sq(invals[0] * r[1]))
+    if name == "div":
+        return jnp.sqrt(sq(r[0] / invals[1]) + sq(invals[0] * r[1] / sq(invals[1])))
+    if name == "reduce_sum":
+        return jnp.sqrt(_jax.bind(eqn, [sq(r[0])])[0])
+    if name == "dot_general":
+        extra = ({"preferred_element_type": jnp.dtype(jnp.float64)}
+                 if eqn.params.get("preferred_element_type") is not None else {})
+        total = 0.0
+        if rounding[0] is not None:
+            total = total + _jax.bind(eqn, [sq(r[0]), sq(invals[1])], **extra)[0]
+        if rounding[1] is not None:
+            total = total + _jax.bind(eqn, [sq(invals[0]), sq(r[1])], **extra)[0]
+        return jnp.sqrt(total)
+    return None
 
 
 class MonteCarlo(NamedTuple):

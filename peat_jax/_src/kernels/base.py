@@ -30,6 +30,9 @@ class Kernel:
         `impl` that JAX cannot differentiate (a Pallas call, a callback, an FFI call); with it the
         kernel is wrapped in `jax.custom_vjp`. Without it, `impl` must be differentiable (or carry
         its own custom_vjp) wherever a gradient flows through the site.
+      region: optional dotted name of the Flax module class or library function whose region
+        sites it serves (``"flax.linen.LayerNorm"``): the command line intercepts it and sends
+        the kernel there when no --sites is given.
     """
 
     name: str
@@ -37,6 +40,7 @@ class Kernel:
     primitive: Optional[str] = None
     supports: Optional[Callable[[Any], Optional[str]]] = None
     vjp: Optional[Callable[..., Any]] = None
+    region: Optional[str] = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:

@@ -23,7 +23,7 @@ from peat_jax._src.profiler.nan_origin import NanOrigin, golden_absmax, step_nan
 from peat_jax._src.profiler.rundir import (PathLike, RunDir, atomic_write_json, recorded_precision,
                                            run_identity)
 from peat_jax._src.profiler.workload import Workload
-from peat_jax._src.schedule import InjectedStep, Schedule, default_switch
+from peat_jax._src.schedule import SWITCHES, InjectedStep, Schedule, default_switch
 from peat_jax._src.substitute import Substitution
 
 
@@ -138,14 +138,16 @@ STATES = "runtime-state"
 
 
 def runtime_spec(manifest: Mapping[str, Any], substitution: Substitution, schedule: Schedule,
-                 steps: Union[int, np.integer], regions: Sequence[type]) -> dict[str, Any]:
+                 steps: Union[int, np.integer], regions: Sequence[type],
+                 switch: str) -> dict[str, Any]:
     """What a stored runtime run is: the golden run, the substitution's digest and candidates,
-    the schedule, the steps and the regions. A run is resumed only with the same spec."""
+    the schedule, the steps, the regions and the switch (`schedule.SWITCHES`: the two need not
+    agree bitwise on steps that do not fire). A run is resumed only with the same spec."""
     return {"run": run_identity(manifest), "substitution": substitution_digest(substitution),
             "candidates": sorted({getattr(c, "name", "?") for c in substitution.values()}),
             "schedule": str(schedule), "steps": int(steps),
             "regions": [r if isinstance(r, str) else f"{r.__module__}.{r.__qualname__}"
-                        for r in regions]}
+                        for r in regions], "switch": switch}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,6 +307,10 @@ def _runtime(run_dir_or_workload, substitution, schedule, *, steps, workload, re
     if not isinstance(schedule, Schedule):
         raise PeatError("runtime needs a peat schedule (peat.every / peat.at_steps / "
                         f"peat.with_probability), got {type(schedule).__name__}")
+    switch = default_switch() if switch is None else switch
+    if switch not in SWITCHES:
+        raise PeatError(f"switch must be one of {', '.join(SWITCHES)} (or None: the backend's "
+                        f"default, {default_switch()!r}), got {switch!r}")
     rd = store = None
     precision = None
     if isinstance(run_dir_or_workload, Workload):
@@ -327,10 +333,11 @@ def _runtime(run_dir_or_workload, substitution, schedule, *, steps, workload, re
             state0 = restore(rd.path, 0, workload=wl)
         if name is not None:
             store = RuntimeStore(rd.campaign(name),
-                                 runtime_spec(m, substitution, schedule, steps, regions))
+                                 runtime_spec(m, substitution, schedule, steps, regions,
+                                              switch))
             chunk = int(chunk or m["checkpoint_every"])
     step_fn = InjectedStep(wl.train_step, substitution, schedule, regions=regions,
-                           switch=switch or default_switch(), wrap=_with_finite)
+                           switch=switch, wrap=_with_finite)
     plain = jax.jit(wl.train_step) if golden is None else None
     resumed = store.progress() if store is not None else None
     if store is not None and resumed is None:

@@ -261,4 +261,4 @@ def flax_layer_norm(kernel: Optional[Kernel] = None) -> Kernel:
         bias = bias if bias is not None else jax.ShapeDtypeStruct((n,), x.dtype)
         return _shape_reason(name, x, scale, bias)
 
-    return Kernel(name, impl, supports=supports)
+    return Kernel(name, impl, supports=supports, region="flax.linen.LayerNorm")
