@@ -40,7 +40,7 @@ def _time(fn, *args) -> float:
 
 def overhead(train_step, state, batch, selector, repeats: int, switch: str) -> float:
     plain = jax.jit(train_step)
-    injected = InjectedStep(train_step, {selector: peat.faults.scale(2.0)},
+    injected = InjectedStep(train_step, {selector: peat.faults.wrong_scale(2.0)},
                             peat.every(1_000_000, offset=999_999), switch=switch)
     jax.block_until_ready(plain(state, batch))
     jax.block_until_ready(injected(state, batch, 0))
@@ -59,7 +59,7 @@ def overhead(train_step, state, batch, selector, repeats: int, switch: str) -> f
 def sweep(train_step, state, batch, n_sites: int) -> tuple[float, int, float, float]:
     sites = [s.index for s in peat.list_sites(train_step, state, batch)
              if s.primitive == "dot_general"][:n_sites]
-    fault = peat.faults.scale(2.0)
+    fault = peat.faults.wrong_scale(2.0)
     t0 = time.perf_counter()
     sw = jax.jit(peat.switched(train_step, {"dot_general": fault}))
     for i in sites:

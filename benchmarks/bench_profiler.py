@@ -8,11 +8,15 @@ playback_speedup: time of the default playback campaign of a 20-step run (checkp
   cost (tracing and compiling the replay, ~5 s) weighs most. The analyzer's own compilations (one
   per distinct tensor shape, the same in both ways and paid once per process) are warmed up
   before either is timed. Goal >= 10 at >= 30 cells.
-playback_pseudo_share: of the default campaign's time, the share spent in the rounding
-  pseudo-errors its effects are judged against (`peat_jax._src.profiler.effect`: the golden step
-  replayed with a pseudo-error at a cell's site, only for cells whose step moved beyond the
-  dtype's rounding; timed around playback's `pseudo_errors`), with `pseudo_samples` (the
-  replays it ran) and `cells_pseudo_sampled`; the recompiling baseline runs none.
+playback_pseudo_ratio: the default campaign's time with the rounding pseudo-errors its effects
+  are judged against (`peat_jax._src.profiler.effect`: the golden step replayed with a
+  pseudo-error at a cell's site, only for cells whose step moved beyond the dtype's rounding)
+  over the same campaign without them (`PSEUDO_SAMPLES` 0), interleaved, ratio of medians of 2;
+  `playback_pseudo_cell_ratio` the same per cell, the campaign's fixed cost (tracing and
+  compiling the replay, measured as a one-cell campaign) taken out of both. Goal <= 1.5.
+  playback_pseudo_share: of the campaign's time, the share spent running the samples (timed
+  around playback's `pseudo_errors`), with `pseudo_samples` (the replays it ran) and
+  `cells_pseudo_sampled`; the recompiling baseline runs none.
 storage_ratio: bytes the campaign stored (its directory) over the bytes a dump of every site's
   operands and outputs at every replayed step would take (per-iteration tensors of sites inside
   `scan` counted once per iteration). Goal <= 0.01.
@@ -111,6 +115,17 @@ class _PseudoTimer:
         _playback.pseudo_errors = self._inner
 
 
+class _NoPseudo:
+    """Playback without rounding pseudo-errors (`PSEUDO_SAMPLES` 0) while entered."""
+
+    def __enter__(self) -> "_NoPseudo":
+        self._samples, _playback.PSEUDO_SAMPLES = _playback.PSEUDO_SAMPLES, 0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _playback.PSEUDO_SAMPLES = self._samples
+
+
 def main() -> None:
     logging.getLogger("absl").setLevel(logging.ERROR)
     stats = stats_costs("language", steps=5, reps=20)
@@ -136,10 +151,23 @@ def main() -> None:
                        devices=jax.devices()[:1])
         t_one_34 = time.perf_counter() - t0
         t0 = time.perf_counter()
-        with _PseudoTimer() as pseudo:
-            res = playback(run, {"dot_general": kernel}, name="bench",  # checkpoints 0, 10
-                           devices=jax.devices()[:1])
-        t_one = time.perf_counter() - t0
+        playback(run, {"dot_general": kernel}, checkpoints=[10], name="fixed",
+                 devices=jax.devices()[:1],
+                 sites=next(s.index for s in sites if s.primitive == "dot_general"))
+        t_fixed = time.perf_counter() - t0   # a one-cell campaign: the fixed cost
+        with_pseudo, without = [], []
+        for i in range(2):
+            t0 = time.perf_counter()
+            with _PseudoTimer() as pseudo:
+                res = playback(run, {"dot_general": kernel}, name=f"bench{i}",  # ckpts 0, 10
+                               devices=jax.devices()[:1])
+            with_pseudo.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with _NoPseudo():
+                playback(run, {"dot_general": kernel}, name=f"plain{i}",
+                         devices=jax.devices()[:1])
+            without.append(time.perf_counter() - t0)
+        t_one = with_pseudo[-1]
         samples = [c.effect.pseudo_samples for c in res.cells if c.effect is not None]
         cells = res.records()
         t_re, t_re_34 = 0.0, 0.0
@@ -157,7 +185,7 @@ def main() -> None:
             t_re += dt
             if ckpt == 10:
                 t_re_34 = dt
-        stored = sum(p.stat().st_size for p in (run / "campaigns" / "bench").rglob("*")
+        stored = sum(p.stat().st_size for p in (run / "campaigns" / "bench1").rglob("*")
                      if p.is_file())
         steps = len({r["checkpoint"] for r in cells})
         dump = sum((_bytes(s.in_shapes, s.in_dtypes) + _bytes(s.out_shapes, s.out_dtypes))
@@ -168,6 +196,12 @@ def main() -> None:
         "playback_one_compile_s": round(t_one, 2),
         "playback_recompile_s": round(t_re, 2),
         "playback_speedup_one_checkpoint": round(t_re_34 / t_one_34, 2),
+        "playback_pseudo_ratio": round(float(np.median(with_pseudo) / np.median(without)), 3),
+        "playback_pseudo_cell_ratio": round(float(
+            (np.median(with_pseudo) - t_fixed) / (np.median(without) - t_fixed)), 3),
+        "playback_with_pseudo_s": [round(t, 2) for t in with_pseudo],
+        "playback_without_pseudo_s": [round(t, 2) for t in without],
+        "playback_fixed_s": round(t_fixed, 2),
         "playback_pseudo_share": round(pseudo.seconds / t_one, 3),
         "playback_pseudo_s": round(pseudo.seconds, 2),
         "pseudo_samples": sum(samples),

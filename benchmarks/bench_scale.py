@@ -3,7 +3,7 @@ projects for a cluster.
 
 A small golden run of the vision workload (checkpoints 0, 2, .., 202 x its 6 dot_general sites =
 612 cells: at 204 cells the start-up, 3.9 s, was half of one process's time, and 2 processes gave
-1.36x) is profiled once; the same campaign (`peat playback --fault "scale(2.0)"`) then runs
+1.36x) is profiled once; the same campaign (`peat playback --fault "wrong_scale(2.0)"`) then runs
 as 1 and 2 real processes on localhost (`--coordinator`, a port from the OS), in interleaved
 rounds, each on a fresh campaign name, beside a one-process campaign of its first checkpoint only
 (6 cells). An untimed warm-up run at each process count fills the persistent compilation cache
@@ -109,7 +109,7 @@ def cpu(rounds: int = 3) -> dict:
                 checkpoint_every=2)
         cache = pathlib.Path(tmp) / "xla"
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PEAT_CACHE_DIR": str(cache)}
-        candidate = ["--fault", "scale(2.0)"]
+        candidate = ["--fault", "wrong_scale(2.0)"]
         first = [*candidate, "--checkpoints", "0"]
         for n in COUNTS:  # each process count compiles its own programs: cache them
             campaign(run_dir, f"warmup-{n}", n, env, candidate)

@@ -59,7 +59,7 @@ step compare_gpu_cpu_replay 120 "$PY" -m peat_jax compare "$OUT/golden-gpu" "$OU
   --replay --json
 # runtime injection on the GPU through its default switch (the host's choice between the plain
 # step's executable and the injected one)
-step runtime_gpu 120 "$PY" -m peat_jax runtime "$OUT/golden-gpu" --fault "scale(2.0)" --every 4 \
+step runtime_gpu 120 "$PY" -m peat_jax runtime "$OUT/golden-gpu" --fault "wrong_scale(2.0)" --every 4 \
   --offset 2 --json
 step demo_vision 120 "$PY" -m peat_jax demo --out "$OUT/demo-vision"
 step bench_profiler 240 "$PY" benchmarks/bench_profiler.py

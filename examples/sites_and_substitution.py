@@ -68,12 +68,12 @@ def main() -> None:
 
     w = jax.random.normal(jax.random.key(4), (16, 16))
     grad_f = jax.grad(f)
-    sw = jax.jit(peat.switched(grad_f, {"dot_general": peat.faults.scale(2.0)}))
+    sw = jax.jit(peat.switched(grad_f, {"dot_general": peat.faults.wrong_scale(2.0)}))
     golden = sw(-1, w, x)
     for s in peat.list_sites(grad_f, w, x):
         if s.primitive == "dot_general":
             d = float(jnp.max(jnp.abs(sw(s.index, w, x) - golden)))
-            print(f"  scale(2) at {s}: max grad change {d:.3g}")
+            print(f"  wrong_scale(2) at {s}: max grad change {d:.3g}")
     print(f"  ({sw._cache_size()} compile for the sweep)")
 
 

@@ -37,14 +37,14 @@ from peat_jax._src.faults.catalogue import low_precision_accumulation as low_pre
 from peat_jax._src.faults.catalogue import multi_bit_flip as multi_bit_flip
 from peat_jax._src.faults.catalogue import nan_inf as nan_inf
 from peat_jax._src.faults.catalogue import operand_corruption as operand_corruption
-from peat_jax._src.faults.catalogue import permute as permute
+from peat_jax._src.faults.catalogue import permuted_layout as permuted_layout
 from peat_jax._src.faults.catalogue import random_value as random_value
-from peat_jax._src.faults.catalogue import scale as scale
+from peat_jax._src.faults.catalogue import reduced_precision as reduced_precision
 from peat_jax._src.faults.catalogue import sign_flip as sign_flip
 from peat_jax._src.faults.catalogue import stuck_at as stuck_at
 from peat_jax._src.faults.catalogue import tile_boundary as tile_boundary
-from peat_jax._src.faults.catalogue import truncate as truncate
-from peat_jax._src.faults.catalogue import zero as zero
+from peat_jax._src.faults.catalogue import wrong_scale as wrong_scale
+from peat_jax._src.faults.catalogue import zeroed as zeroed
 
 __all__ = [
     "ALL",
@@ -55,12 +55,12 @@ __all__ = [
     "multi_bit_flip",
     "nan_inf",
     "operand_corruption",
-    "permute",
+    "permuted_layout",
     "random_value",
-    "scale",
+    "reduced_precision",
     "sign_flip",
     "stuck_at",
     "tile_boundary",
-    "truncate",
-    "zero",
+    "wrong_scale",
+    "zeroed",
 ]

@@ -2,6 +2,7 @@
 Equinox and plain jax, and a 2-layer transformer with nn.scan + nn.remat."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import flax.linen as nn
@@ -10,6 +11,23 @@ import jax.numpy as jnp
 import optax
 import pytest
 
+
+@pytest.fixture(autouse=True, scope="session")
+def _shared_compilation_cache(tmp_path_factory):
+    """jax's persistent compilation cache, shared by the xdist workers of one run (the parent of
+    each worker's base temporary directory; $PEAT_TEST_CACHE_DIR instead, "off" for none). Most
+    of the suite's time is XLA compiling, and the same programs (the analyzer's per-shape
+    programs, the bundled workloads' steps) are compiled again in each test module after
+    `_fresh_jax_caches` drops the in-memory executables: from disk they load in milliseconds. A
+    user's own `jax_compilation_cache_dir` is left as it is."""
+    path = os.environ.get("PEAT_TEST_CACHE_DIR") or str(
+        tmp_path_factory.getbasetemp().parent / "xla-cache")
+    if path == "off" or jax.config.jax_compilation_cache_dir:
+        yield
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    yield
 
 
 @pytest.fixture(autouse=True, scope="module")

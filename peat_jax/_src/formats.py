@@ -140,6 +140,33 @@ def _format_named(name: str) -> FloatFormat:
                        min_exponent=int(fi.minexp))
 
 
+def _dtype_of(x):
+    """The dtype `x` names or carries: a dtype or scalar type, anything with a ``dtype`` (an
+    array, an abstract value), or a Python number (NumPy's type for it)."""
+    if hasattr(x, "dtype"):
+        return x.dtype
+    if isinstance(x, (bool, int, float, complex)):
+        return np.result_type(x)
+    return x
+
+
+def is_floating(x) -> bool:
+    """Whether `x` (a dtype, or an array or value with one) is a real floating-point type,
+    bfloat16 and the float8 formats included; False for anything else, None included."""
+    try:
+        return x is not None and bool(jnp.issubdtype(_dtype_of(x), jnp.floating))
+    except TypeError:
+        return False
+
+
+def is_inexact(x) -> bool:
+    """`is_floating`, complex types included."""
+    try:
+        return x is not None and bool(jnp.issubdtype(_dtype_of(x), jnp.inexact))
+    except TypeError:
+        return False
+
+
 def float_format(dtype) -> FloatFormat:
     """The `FloatFormat` of a float dtype (a dtype, a dtype's name or a scalar type).
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from peat_jax._src.errors import PeatError
+from peat_jax._src.formats import is_floating
 from peat_jax._src.kernels import Kernel
 
 
@@ -286,9 +287,6 @@ def parse_variants(text: Optional[str]) -> Optional[list[str]]:
 # --------------------------------------------------------------------------------------------
 # Example arguments
 
-def _is_float(dt: np.dtype) -> bool:
-    return np.issubdtype(dt, np.floating) or dt.name == "bfloat16"
-
 
 def int_bound(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[np.dtype]) -> int:
     """The default upper bound K of integer operands, drawn from [0, K): the smallest last-axis
@@ -298,7 +296,7 @@ def int_bound(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[np.dtype]) -> 
     Returns:
       K >= 1.
     """
-    sizes = [s[-1] for s, dt in zip(shapes, dtypes) if s and _is_float(dt)]
+    sizes = [s[-1] for s, dt in zip(shapes, dtypes) if s and is_floating(dt)]
     return min(sizes) if sizes else DEFAULT_INT_BOUND
 
 
@@ -323,7 +321,7 @@ def draw_args(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[np.dtype], see
     rng = np.random.default_rng(seed)
     out = []
     for shape, dt in zip(shapes, dtypes):
-        if _is_float(dt):
+        if is_floating(dt):
             x = np.asarray(rng.standard_normal(shape, np.float32)).astype(dt)
         elif dt == np.bool_:
             x = np.asarray(rng.random(shape) < 0.5)

@@ -28,6 +28,7 @@ from jax import lax
 
 from peat_jax._src import _jax
 from peat_jax._src.errors import PeatError
+from peat_jax._src.formats import is_floating
 
 
 _REFUSED = frozenset({"bitcast_convert_type"})
@@ -45,14 +46,10 @@ class Hook(Protocol):
         """The hook for one iteration `i` (a traced int) of a loop body."""
 
 
-def _is_float(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
-
-
 def _widen(x) -> Any:
     """`x` as float64 when it is a narrower float (an array, a tracer or a literal's value)."""
     dtype = getattr(x, "dtype", None)
-    if dtype is None or not _is_float(dtype) or dtype == jnp.float64:
+    if dtype is None or not is_floating(dtype) or dtype == jnp.float64:
         return x
     if isinstance(x, (np.ndarray, np.generic)):
         return np.asarray(x, np.float64)
@@ -141,11 +138,11 @@ def _eqn(eqn, invals, hook: Optional[Hook] = None) -> list:
         return _CONTAINERS[name](eqn, invals, hook)
     if name in _REFUSED or _jax.sub_jaxprs(eqn):
         raise PeatError(f"cannot widen a program with {name!r} to float64")
-    if name == "convert_element_type" and _is_float(params["new_dtype"]):
+    if name == "convert_element_type" and is_floating(params["new_dtype"]):
         outs = [jax.lax.convert_element_type(invals[0], jnp.float64)]   # ints too
     else:
         pref = params.get("preferred_element_type")
-        if pref is not None and _is_float(pref):
+        if pref is not None and is_floating(pref):
             outs = _jax.bind(eqn, invals, preferred_element_type=jnp.dtype(jnp.float64))
         else:
             outs = _jax.bind(eqn, invals)

@@ -23,6 +23,7 @@ from peat_jax._src import _jax
 from peat_jax._src import regions as _regions
 from peat_jax._src.errors import PeatError
 from peat_jax._src.faults import Fault
+from peat_jax._src.formats import is_inexact
 from peat_jax._src.kernels import Kernel
 from peat_jax._src.sites import Selector, Site, Tracer, Traced, select
 
@@ -117,13 +118,6 @@ def _site_reason(cand: Candidate, site: Site) -> Optional[str]:
     return cand.check_site(site)
 
 
-def _is_float(dtype) -> bool:
-    try:
-        return jnp.issubdtype(dtype, jnp.inexact)
-    except TypeError:
-        return False
-
-
 def _fault_seed(f: Fault) -> int:
     return int(f.params.get("seed", 0) or 0)
 
@@ -135,7 +129,7 @@ def _run_candidate(cand: Candidate, site: Site, vals: Sequence[Any], reference, 
     """The site's outputs computed by `cand`, checked against the site's output types."""
     if isinstance(cand, Fault):
         outs = reference(*vals)
-        k = next(i for i, d in enumerate(site.out_dtypes) if _is_float(d))
+        k = next(i for i, d in enumerate(site.out_dtypes) if is_inexact(d))
         outs[k] = cand.apply(lambda *ops: reference(*ops)[k], tuple(vals), key, site)
     else:
         assert isinstance(cand, Kernel)  # resolve() admits only the two kinds
@@ -227,7 +221,7 @@ def make_rules(traced: Traced, chosen: Mapping[int, Candidate], active: Active,
 
 def _site_rule(site: Site, cand: Candidate, active: Active, key_for, taps: int,
                on_error: Optional[OnError]):
-    k = next((i for i, d in enumerate(site.out_dtypes) if _is_float(d)), 0)
+    k = next((i for i, d in enumerate(site.out_dtypes) if is_inexact(d)), 0)
 
     def rule(op, invals, reference):
         key = key_for(site, cand) if isinstance(cand, Fault) else None

@@ -104,9 +104,9 @@ def test_substitution_inside_scan_cond_while_remat_matches_the_program_bitwise(s
         return jnp.sum(c) * ys.sum()
 
     x = jnp.ones((2, 4)) * 0.3
-    sub = peat.substitute(f, {selector: peat.faults.scale(1.0)})
+    sub = peat.substitute(f, {selector: peat.faults.wrong_scale(1.0)})
     containers = {c for s in sub.selected(w, x) for c in s.scope}
     assert {"scan", "cond", "while"} <= containers and len(sub.selected(w, x)) >= 4
     np.testing.assert_array_equal(jax.jit(sub)(w, x), jax.jit(f)(w, x))
-    doubled = peat.substitute(f, {selector: peat.faults.scale(2.0)})
+    doubled = peat.substitute(f, {selector: peat.faults.wrong_scale(2.0)})
     assert float(jax.jit(doubled)(w, x)) != float(jax.jit(f)(w, x))

@@ -4,8 +4,8 @@ run trains (and replays) at, and the Pallas kernels' precision argument.
 
 On CPU XLA ignores the matmul precision (float32 dots are full float32 whatever it says), so a
 GPU's TF32 is emulated by rounding the dot's inputs to TF32
-(`peat_jax._src.formats.round_to_format`, what `peat.faults.truncate("tf32")` does); what the
-precision setting itself changes is checked by the precision jax saw while tracing.
+(`peat_jax._src.formats.round_to_format`, what `peat.faults.reduced_precision("tf32")` does);
+what the precision setting itself changes is checked by the precision jax saw while tracing.
 """
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ def test_a_tf32_candidate_passes_against_a_default_precision_reference(shapes):
 @pytest.mark.slow
 def test_the_tf32_fault_is_named_with_its_format_and_gradients_too():
     a, b = _operands(SHAPES[0], seed=3)
-    fault = peat.faults.truncate("tf32")
+    fault = peat.faults.reduced_precision("tf32")
     d = check_kernel(lambda a, b: fault(jnp.matmul, (a, b), jax.random.key(0)), jnp.matmul,
                      a, b, variants=("example",), backward=False, repeats=1)
     assert d.model == "reduced_precision"
@@ -210,7 +210,7 @@ def test_narrow_formats_are_told_apart_by_mantissa_and_range():
 def test_detect_names_the_format(fmt, where, expected):
     a, b = _operands(SHAPES[1], seed=5)
     golden = a @ b
-    cand = peat.faults.truncate(fmt, where=where)(jnp.matmul, (a, b), jax.random.key(0))
+    cand = peat.faults.reduced_precision(fmt, where=where)(jnp.matmul, (a, b), jax.random.key(0))
     with jax.enable_x64(True):
         ref64 = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
     d = detect(peat.analyze(cand, golden, ref64))
@@ -276,7 +276,7 @@ def test_a_golden_run_trains_and_replays_at_its_precision(tmp_path):
     assert set(seen) == {"highest"}
 
     seen.clear()
-    res = peat.playback(run, {"dot_general": peat.faults.scale(1.0)}, workload=wl)
+    res = peat.playback(run, {"dot_general": peat.faults.wrong_scale(1.0)}, workload=wl)
     assert seen and set(seen) == {"highest"}, "playback traces at the recorded precision"
     assert res.summary()["passed"] == len(res.cells) > 0
     # with a time limit the cells run in another thread, at the same precision (the candidate's
@@ -290,7 +290,7 @@ def test_a_golden_run_trains_and_replays_at_its_precision(tmp_path):
                   workload=wl, cell_timeout=60)
     assert seen and set(seen) == {"highest"}
     seen.clear()
-    rt = peat.runtime(run, {"dot_general": peat.faults.scale(1.0)}, peat.every(2), steps=4,
+    rt = peat.runtime(run, {"dot_general": peat.faults.wrong_scale(1.0)}, peat.every(2), steps=4,
                       workload=wl)
     assert seen and set(seen) == {"highest"} and len(rt.losses) == len(g.losses)
 

@@ -41,7 +41,7 @@ def _site(dtype) -> peat.Site:
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_kernels_and_faults_are_candidates_that_say_where_they_stand(dtype):
-    kernel, fault = peat.kernels.pallas_matmul(), peat.faults.scale(2.0)
+    kernel, fault = peat.kernels.pallas_matmul(), peat.faults.wrong_scale(2.0)
     assert isinstance(kernel, peat.Candidate) and isinstance(fault, peat.Candidate)
     assert not isinstance(lambda x: x, peat.Candidate)
     assert fault.check_site(_site(dtype)) is None
@@ -51,5 +51,5 @@ def test_kernels_and_faults_are_candidates_that_say_where_they_stand(dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_])
 def test_a_fault_refuses_a_site_without_a_float_output(dtype):
-    reason = peat.faults.scale(2.0).check_site(_site(dtype))
+    reason = peat.faults.wrong_scale(2.0).check_site(_site(dtype))
     assert reason is not None and "is not floating" in reason

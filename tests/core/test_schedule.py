@@ -60,7 +60,7 @@ def test_inject_fires_only_on_scheduled_steps_with_one_compile(linen_train, mlp_
         s, m = plain(s, mlp_data)
         ref_losses.append(float(m["loss"]))
 
-    injected = jax.jit(peat.inject(train_step, {"bwd:dot_general": peat.faults.scale(-4.0)},
+    injected = jax.jit(peat.inject(train_step, {"bwd:dot_general": peat.faults.wrong_scale(-4.0)},
                                    peat.every(10, offset=7)))
     _, losses = _run(injected, state, mlp_data, 25)
     assert injected._cache_size() == 1
@@ -70,7 +70,7 @@ def test_inject_fires_only_on_scheduled_steps_with_one_compile(linen_train, mlp_
     assert abs(losses[8] - ref_losses[8]) > 1e-3 * abs(ref_losses[8])
 
     # a schedule that never fires in range keeps the whole run identical
-    never = jax.jit(peat.inject(train_step, {"dot_general": peat.faults.zero()},
+    never = jax.jit(peat.inject(train_step, {"dot_general": peat.faults.zeroed()},
                                 peat.at_steps([999])))
     final, losses = _run(never, state, mlp_data, 25)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -89,8 +89,8 @@ def test_inject_fault_pattern_is_reproducible_and_varies_by_step(linen_train, ml
 def test_inject_rejects_bad_arguments(linen_train, mlp_data):
     train_step, state = linen_train
     with pytest.raises(peat.PeatError, match="schedule"):
-        peat.inject(train_step, {"dot_general": peat.faults.zero()}, 10)
-    f = peat.inject(train_step, {"dot_general": peat.faults.zero()}, peat.every(2))
+        peat.inject(train_step, {"dot_general": peat.faults.zeroed()}, 10)
+    f = peat.inject(train_step, {"dot_general": peat.faults.zeroed()}, peat.every(2))
     with pytest.raises(peat.PeatError, match="scalar"):
         f(state, mlp_data, jnp.arange(3))
 
@@ -106,7 +106,7 @@ def test_injected_step_fires_on_schedule_under_either_switch(linen_train, mlp_da
     from peat_jax._src.schedule import InjectedStep
     train_step, state = linen_train
     plain = jax.jit(train_step)
-    step = InjectedStep(train_step, {"bwd:dot_general": peat.faults.scale(-4.0)},
+    step = InjectedStep(train_step, {"bwd:dot_general": peat.faults.wrong_scale(-4.0)},
                         peat.every(3, offset=1), switch=switch)
     for i in range(5):
         new, metrics = step(state, mlp_data, i)

@@ -43,7 +43,8 @@ def test_identity_and_backward_fault_in_every_framework(mlp_variants, mlp_data, 
     assert bitwise_equal(ref, jax.jit(peat.substitute(vg, {}))(params, *mlp_data))
     # the last backward GEMM is the first layer's weight gradient: only that leaf changes
     last = [s for s in peat.list_sites(vg, params, *mlp_data) if s.primitive == "dot_general"][-1]
-    got = jax.jit(peat.substitute(vg, {last.index: peat.faults.scale(2.0)}))(params, *mlp_data)
+    doubled = peat.substitute(vg, {last.index: peat.faults.wrong_scale(2.0)})
+    got = jax.jit(doubled)(params, *mlp_data)
     changed = _leaves_changed(ref, got)
     assert len(changed) == 1 and changed[0] != "[0]"
     w_ref = [x for x in jax.tree.leaves(ref[1]) if x.size == 128]
@@ -90,7 +91,7 @@ def test_backward_site_fault_changes_exactly_the_leaves_that_depend_on_it(linen_
         dots[0].index: ["[0]", "[1]['params']['fc1']['kernel']", "[1]['params']['head']['kernel']"],
     }
     for index, expected in cases.items():
-        got = jax.jit(peat.substitute(vg, {index: peat.faults.scale(3.0)}))(params, *mlp_data)
+        got = jax.jit(peat.substitute(vg, {index: peat.faults.wrong_scale(3.0)}))(params, *mlp_data)
         assert _leaves_changed(ref, got) == expected, index
 
 
@@ -105,7 +106,7 @@ def test_fault_at_site_produces_exactly_its_pattern():
     diff = bits(flipped) ^ bits(ref_dot)
     assert np.flatnonzero(diff).tolist() == [7] and diff[7] == 1 << 30
     # the fault is on the dot inside f: tanh sees the flipped value at element 7 only
-    out = jax.jit(peat.substitute(f, {"dot_general": peat.faults.zero()}))(x, w)
+    out = jax.jit(peat.substitute(f, {"dot_general": peat.faults.zeroed()}))(x, w)
     assert bool(jnp.all(out == 0))
     out = jax.jit(peat.substitute(f, {"tanh": peat.faults.sign_flip()}))(x, w)
     assert bool(jnp.all(out == -jnp.tanh(ref_dot)))
@@ -169,7 +170,7 @@ def test_region_kernel_replaces_forward_and_backward():
     v, g = jax.jit(peat.substitute(vg, {"fwd:softmax": bad}))(w, x)
     assert abs(float(v - ref[0])) > 1e-3 and bool(jnp.array_equal(g, ref[1])) is False
     # only the backward region faulted: the loss is untouched, the gradient is not
-    v, g = jax.jit(peat.substitute(vg, {"bwd:softmax": peat.faults.scale(2.0)}))(w, x)
+    v, g = jax.jit(peat.substitute(vg, {"bwd:softmax": peat.faults.wrong_scale(2.0)}))(w, x)
     assert float(v) == float(ref[0])
     np.testing.assert_allclose(g, 2.0 * ref[1], rtol=1e-5)
 
@@ -223,7 +224,7 @@ def test_bad_substitution_values(linen_mlp, mlp_data):
     with pytest.raises(peat.PeatError, match="mapping"):
         peat.substitute(loss, [0])
     with pytest.raises(peat.PeatError, match="matches no site"):
-        peat.substitute(loss, {"conv_general_dilated": peat.faults.zero()})(params, *mlp_data)
+        peat.substitute(loss, {"conv_general_dilated": peat.faults.zeroed()})(params, *mlp_data)
 
 
 # ------------------------------------------------------------------ switched execution
@@ -232,7 +233,7 @@ def test_bad_substitution_values(linen_mlp, mlp_data):
 def test_switched_sweep_compiles_once_and_matches_static_substitution(linen_mlp, mlp_data):
     loss, params = linen_mlp
     vg = jax.value_and_grad(loss)
-    fault = peat.faults.scale(1.5)
+    fault = peat.faults.wrong_scale(1.5)
     sw = jax.jit(peat.switched(vg, {"dot_general": fault}))
     sites = [s.index for s in peat.list_sites(vg, params, *mlp_data)
              if s.primitive == "dot_general"]
@@ -255,7 +256,7 @@ def test_switched_sweep_compiles_once_and_matches_static_substitution(linen_mlp,
 def test_switched_sweep_over_transformer_one_compile(gpt):
     loss, params, tokens = gpt
     vg = jax.value_and_grad(loss)
-    sw = jax.jit(peat.switched(vg, {"dot_general": peat.faults.scale(2.0)}))
+    sw = jax.jit(peat.switched(vg, {"dot_general": peat.faults.wrong_scale(2.0)}))
     dots = [s.index for s in peat.list_sites(vg, params, tokens) if s.primitive == "dot_general"]
     golden_loss = sw(-1, params, tokens)[0]
     fwd_changed = 0

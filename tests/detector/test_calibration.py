@@ -55,9 +55,9 @@ def _fault_list(dtype, out_shape, op: str):
         F.bit_flip(bit_class="exponent"), F.bit_flip(bit=nmant - 2), F.bit_flip(bit=bits - 1),
         F.multi_bit_flip(), F.multi_bit_flip(bits=(nmant - 1, nmant - 3)),
         F.random_value(), F.random_value(count=4),
-        F.zero(0.25), F.zero(1.0),
+        F.zeroed(0.25), F.zeroed(1.0),
         F.stuck_at(bit=nmant - 1, value=1), F.stuck_at(bit=nmant - 2, value=0, fraction=0.5),
-        F.scale(1.5), F.scale(0.5),
+        F.wrong_scale(1.5), F.wrong_scale(0.5),
         F.sign_flip(), F.sign_flip(0.2),
         F.tile_boundary(8, mode="zero"), F.nan_inf(), F.nan_inf("-inf", count=3),
     ]
@@ -67,25 +67,26 @@ def _fault_list(dtype, out_shape, op: str):
     if len(out_shape) == 2:
         if m > 32:
             fs.append(F.tile_boundary(32, axis=0))
-        fs += [F.permute("tile_swap", block=8), F.operand_corruption(0, axis=0)]
+        fs += [F.permuted_layout("tile_swap", block=8), F.operand_corruption(0, axis=0)]
         if m == n:
-            fs.append(F.permute("transpose"))
+            fs.append(F.permuted_layout("transpose"))
     if op == "matmul":
         # Exponent MSB stuck at 1: selective only where outputs span |x| < 2 and |x| >= 2.
         fs += [F.operand_corruption(1, axis=1), F.stuck_at(bit=bits - 2, value=1)]
     if op in ("matmul", "sum"):
         if dtype == jnp.float32:
-            fs += [F.truncate("bf16"), F.truncate("tf32"), F.truncate("fp16", where="output"),
+            fs += [F.reduced_precision("bf16"), F.reduced_precision("tf32"),
+                   F.reduced_precision("fp16", where="output"),
                    F.low_precision_accumulation("bf16"),
                    F.low_precision_accumulation("fp16", chunk=4)]
         elif dtype == jnp.float16:
-            fs += [F.truncate("bf16"), F.truncate("bf16", where="output"),
+            fs += [F.reduced_precision("bf16"), F.reduced_precision("bf16", where="output"),
                    F.low_precision_accumulation("bf16"),
                    F.low_precision_accumulation("fp16", chunk=4)]
         else:  # bfloat16: no narrower format to truncate to; accumulation in bf16 itself
             fs += [F.low_precision_accumulation("bf16", chunk=4)]
     elif dtype == jnp.float32:
-        fs += [F.truncate("bf16", where="output")]
+        fs += [F.reduced_precision("bf16", where="output")]
     return fs
 
 
@@ -222,7 +223,7 @@ def _assert_diagonal(rows):
 @pytest.mark.slow
 def test_every_fault_is_diagnosed_as_its_own_model():
     rows = _run(CONFIGS)
-    required = {"scale": {"factor": 2.0}, "stuck_at": {"bit": 1}}
+    required = {"wrong_scale": {"factor": 2.0}, "stuck_at": {"bit": 1}}
     every = {getattr(F, n)(**required.get(n, {})).name for n in F.ALL}
     assert {r[1] for r in rows} == every, "a fault constructor is not calibrated"
     rows += _extra_rows(CONFIGS)

@@ -178,7 +178,7 @@ def test_integer_leaves():
 
 def test_every_diagnosis_is_well_formed():
     g = _normal(10, shift=2.0)
-    for fault in (F.scale(3.0), F.sign_flip(), F.zero(0.5), F.random_value(count=2),
+    for fault in (F.wrong_scale(3.0), F.sign_flip(), F.zeroed(0.5), F.random_value(count=2),
                   F.multi_bit_flip(bits=(3, 17), index=4)):
         d = detect(analyze(fault.apply(lambda x: x, (g,), 0), g))
         assert isinstance(d, Diagnosis) and d.model == fault.name, (fault.name, d.summary)

@@ -22,7 +22,7 @@ def test_each_model_names_a_real_fault_and_a_colour():
     assert taxonomy.colour("reduced_precision", True) == taxonomy.ALLOWED_COLOUR
     assert taxonomy.severity_rank("nan_inf") > taxonomy.severity_rank("bit_flip")
     assert taxonomy.severity_rank("not_a_model") == taxonomy.severity_rank("unknown")
-    assert faults.describe(faults.zero(0.5)) == "zero(fraction=0.5)"
+    assert faults.describe(faults.zeroed(0.5)) == "zeroed(fraction=0.5)"
 
 
 def test_step_effects_have_their_own_words():

@@ -176,7 +176,7 @@ def test_random_value_always_differs_even_where_draws_would_collide(dtype):
 @pytest.mark.parametrize("fraction", [0.25, 1.0])
 def test_zero_zeroes_exactly_round_fraction_n(dtype, shape, fraction):
     x = data(shape, dtype)
-    out = run(F.zero(fraction), x)
+    out = run(F.zeroed(fraction), x)
     n = math.prod(shape)
     zeros = bits(out) == 0
     assert zeros.sum() == round(fraction * n)
@@ -185,8 +185,8 @@ def test_zero_zeroes_exactly_round_fraction_n(dtype, shape, fraction):
 
 def test_zero_fraction_zero_is_a_noop_with_a_reason():
     x = data((4, 6))
-    np.testing.assert_array_equal(bits(run(F.zero(0.0), x)), bits(x))
-    assert "selects no element" in F.zero(0.0).supports(
+    np.testing.assert_array_equal(bits(run(F.zeroed(0.0), x)), bits(x))
+    assert "selects no element" in F.zeroed(0.0).supports(
         Site("exp", {}, ((4, 6),), (jnp.float32,), ((4, 6),), (jnp.float32,)))
 
 
@@ -209,11 +209,11 @@ def test_stuck_at_forces_the_bit_in_the_selected_elements(dtype):
 def test_scale_is_an_exact_ratio(dtype, shape):
     x = data(shape, dtype)
     for factor in (2.0, 0.5, -4.0):
-        out = run(F.scale(factor), x)
+        out = run(F.wrong_scale(factor), x)
         assert out.dtype == x.dtype
         ratio = np.asarray(out, np.float32) / np.asarray(x, np.float32)
         np.testing.assert_array_equal(ratio, factor)
-    out = run(F.scale(3.0), x)
+    out = run(F.wrong_scale(3.0), x)
     expect = np.asarray(x) * np.asarray(3.0, jnp.dtype(dtype))  # numpy product in the dtype
     np.testing.assert_array_equal(bits(out), bits(expect))
 
@@ -261,7 +261,7 @@ def _awkward_f32():
 
 def test_truncate_bf16_output_rounds_every_element_like_bfloat16():
     x = _awkward_f32()
-    f = F.truncate("bf16", where="output")
+    f = F.reduced_precision("bf16", where="output")
     expect = np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float32)
     for out in (run(f, x), jax.jit(lambda v: run(f, v))(x)):
         assert out.dtype == jnp.float32
@@ -271,7 +271,7 @@ def test_truncate_bf16_output_rounds_every_element_like_bfloat16():
 def test_truncate_tf32_output_rounds_to_11_significant_bits_half_to_even():
     x = np.asarray(data((200,)), np.float64) * np.exp2(np.arange(200) % 40 - 20)
     x = jnp.asarray(x.astype(np.float32))
-    out = np.asarray(run(F.truncate("tf32", where="output"), x), np.float64)
+    out = np.asarray(run(F.reduced_precision("tf32", where="output"), x), np.float64)
     xd = np.asarray(x, np.float64)
     q = np.exp2(np.floor(np.log2(np.abs(xd))) - 10)
     np.testing.assert_array_equal(out, np.round(xd / q) * q)
@@ -279,7 +279,7 @@ def test_truncate_tf32_output_rounds_to_11_significant_bits_half_to_even():
 
 def test_truncate_fp16_output_rounds_through_float16():
     x = _awkward_f32()
-    f = F.truncate("fp16", where="output")
+    f = F.reduced_precision("fp16", where="output")
     with np.errstate(over="ignore"):
         expect = np.asarray(x).astype(np.float16).astype(np.float32)
     for out in (run(f, x), jax.jit(lambda v: run(f, v))(x)):
@@ -289,7 +289,7 @@ def test_truncate_fp16_output_rounds_through_float16():
 @pytest.mark.parametrize("precision,np_dtype", [("bf16", ml_dtypes.bfloat16), ("fp16", np.float16)])
 def test_truncate_inputs_rounds_operands_before_the_op(precision, np_dtype):
     a, b = data((4, 6), seed=1) / 3, data((6, 3), seed=2) / 7
-    out = F.truncate(precision)(matmul, (a, b), jax.random.key(0))
+    out = F.reduced_precision(precision)(matmul, (a, b), jax.random.key(0))
     ra, rb = (jnp.asarray(np.asarray(v).astype(np_dtype).astype(np.float32)) for v in (a, b))
     np.testing.assert_array_equal(bits(out), bits(matmul(ra, rb)))
     assert not np.array_equal(bits(out), bits(matmul(a, b)))
@@ -300,11 +300,11 @@ def test_truncate_is_a_noop_when_already_narrow():
     site = Site("exp", {}, ((4, 6),), (jnp.bfloat16,), ((4, 6),), (jnp.bfloat16,))
     for precision in ("bf16", "tf32"):
         for where in ("inputs", "output"):
-            f = F.truncate(precision, where=where)
+            f = F.reduced_precision(precision, where=where)
             np.testing.assert_array_equal(bits(run(f, x)), bits(x))
             assert "no-op" in f.supports(site)
     h = data((64,), jnp.float16) / 3
-    out = run(F.truncate("bf16", where="output"), h)
+    out = run(F.reduced_precision("bf16", where="output"), h)
     assert np.all(bits(out) & 0b111 == 0) and not np.array_equal(bits(out), bits(h))
 
 
@@ -426,15 +426,15 @@ def test_tile_boundary_edges_and_stale():
 def test_permute_transpose_and_tile_swap(dtype):
     x = data((2, 5, 5), dtype)
     expect = np.swapaxes(np.asarray(x), -1, -2)
-    np.testing.assert_array_equal(bits(run(F.permute(), x)), bits(expect))
+    np.testing.assert_array_equal(bits(run(F.permuted_layout(), x)), bits(expect))
     site = Site("exp", {}, ((4, 6),), (dtype,), ((4, 6),), (dtype,))
-    assert "equal size" in F.permute().supports(site)
+    assert "equal size" in F.permuted_layout().supports(site)
     with pytest.raises(ValueError, match="equal size"):
-        run(F.permute(), data((4, 6), dtype))
+        run(F.permuted_layout(), data((4, 6), dtype))
     y = data((9, 3), dtype)  # 4 full blocks of 2 rows and a partial one
     pairs = set()
     for seed in range(6):
-        out = np.asarray(run(F.permute("tile_swap", block=2), y, seed=seed))
+        out = np.asarray(run(F.permuted_layout("tile_swap", block=2), y, seed=seed))
         yb = np.asarray(y)
         moved = [k for k in range(4)
                  if not np.array_equal(out[2 * k:2 * k + 2], yb[2 * k:2 * k + 2])]
@@ -445,7 +445,7 @@ def test_permute_transpose_and_tile_swap(dtype):
         np.testing.assert_array_equal(out[8], yb[8])
         pairs.add((i, j))
     assert len(pairs) > 1
-    assert "two full blocks" in F.permute("tile_swap", block=5).supports(
+    assert "two full blocks" in F.permuted_layout("tile_swap", block=5).supports(
         Site("exp", {}, ((9, 3),), (dtype,), ((9, 3),), (dtype,)))
 
 
@@ -482,15 +482,15 @@ def _examples():
         "bit_flip": (F.bit_flip(bit_class="exponent"), *ew),
         "multi_bit_flip": (F.multi_bit_flip(n_bits=3), *ew),
         "random_value": (F.random_value(count=3), *ew),
-        "zero": (F.zero(0.5), *ew),
+        "zeroed": (F.zeroed(0.5), *ew),
         "stuck_at": (F.stuck_at(1, fraction=0.5), *ew),
-        "scale": (F.scale(-2.0), *ew),
+        "wrong_scale": (F.wrong_scale(-2.0), *ew),
         "sign_flip": (F.sign_flip(0.5), *ew),
-        "truncate": (F.truncate("bf16"), matmul, (a, b), mm_site),
+        "reduced_precision": (F.reduced_precision("bf16"), matmul, (a, b), mm_site),
         "low_precision_accumulation": (F.low_precision_accumulation(chunk=8), matmul, (a, b),
                                        mm_site),
         "tile_boundary": (F.tile_boundary(4, where="edges"), *ew),
-        "permute": (F.permute("tile_swap", block=2), *ew),
+        "permuted_layout": (F.permuted_layout("tile_swap", block=2), *ew),
         "operand_corruption": (F.operand_corruption(1, axis=1), matmul, (a, b), mm_site),
         "nan_inf": (F.nan_inf("inf", count=2), *ew),
     }
@@ -529,8 +529,8 @@ def test_every_fault_under_jit_vmap_cond_and_scan(name):
 
 
 # the other faults have their own tests parametrised over dtypes
-@pytest.mark.parametrize("name", ["truncate", "low_precision_accumulation", "tile_boundary",
-                                  "multi_bit_flip"])
+@pytest.mark.parametrize("name", ["reduced_precision", "low_precision_accumulation",
+                                  "tile_boundary", "multi_bit_flip"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_narrow_dtypes_keep_their_dtype(name, dtype):
     fault, ref, ops, site = EXAMPLES[name]
@@ -540,7 +540,7 @@ def test_narrow_dtypes_keep_their_dtype(name, dtype):
     out = fault(ref, ops, jax.random.key(0), site)
     golden = ref(*ops)
     assert out.shape == golden.shape and out.dtype == dtype
-    if name != "truncate" or dtype != jnp.bfloat16:   # bf16 already that narrow: no-op
+    if name != "reduced_precision" or dtype != jnp.bfloat16:   # bf16 already that narrow: no-op
         assert not np.array_equal(bits(out), bits(golden))
 
 
@@ -554,7 +554,7 @@ def test_every_fault_leaves_integer_outputs_unchanged(name):
 
 
 @pytest.mark.parametrize("make", [
-    lambda s: F.bit_flip(seed=s), lambda s: F.random_value(seed=s), lambda s: F.zero(0.1, seed=s),
+    lambda s: F.bit_flip(seed=s), lambda s: F.random_value(seed=s), lambda s: F.zeroed(0.1, seed=s),
     lambda s: F.sign_flip(0.1, seed=s), lambda s: F.nan_inf(seed=s),
     lambda s: F.operand_corruption(seed=s), lambda s: F.tile_boundary(8, seed=s),
 ])
@@ -591,18 +591,18 @@ def test_key_none_or_int_means_the_seed():
     (lambda: F.random_value(count=0), "count"),
     (lambda: F.random_value(count=2, index=0), "count=1"),
     (lambda: F.random_value(scale=-1.0), "scale"),
-    (lambda: F.zero(1.5), "fraction"),
+    (lambda: F.zeroed(1.5), "fraction"),
     (lambda: F.sign_flip(-0.1), "fraction"),
     (lambda: F.stuck_at(3, 2), "value"),
-    (lambda: F.scale(float("nan")), "factor"),
-    (lambda: F.truncate("fp8"), "unknown precision"),
-    (lambda: F.truncate(where="both"), "unknown where"),
+    (lambda: F.wrong_scale(float("nan")), "factor"),
+    (lambda: F.reduced_precision("fp8"), "unknown precision"),
+    (lambda: F.reduced_precision(where="both"), "unknown where"),
     (lambda: F.low_precision_accumulation("int8"), "unknown dtype"),
     (lambda: F.low_precision_accumulation(chunk=0), "chunk"),
     (lambda: F.tile_boundary(0), "block"),
     (lambda: F.tile_boundary(mode="noise"), "unknown mode"),
-    (lambda: F.permute("rows"), "unknown kind"),
-    (lambda: F.permute("tile_swap"), "needs block"),
+    (lambda: F.permuted_layout("rows"), "unknown kind"),
+    (lambda: F.permuted_layout("tile_swap"), "needs block"),
     (lambda: F.operand_corruption(mode="nan"), "unknown mode"),
     (lambda: F.nan_inf("zero"), "unknown value"),
 ])
@@ -616,10 +616,10 @@ def test_params_are_json_and_describe_prints_the_call():
         json.dumps(fault.params)
         assert fault.params["seed"] == 0
     assert F.describe(F.bit_flip(bit=30, index=0)) == "bit_flip(bit=30, index=0)"
-    assert F.describe(F.zero(0.25)) == "zero(fraction=0.25)"
-    assert F.describe(F.scale(2.0)) == "scale(factor=2.0)"
-    assert (F.describe(F.permute("tile_swap", block=4, seed=3))
-            == "permute(kind='tile_swap', block=4, seed=3)")
+    assert F.describe(F.zeroed(0.25)) == "zeroed(fraction=0.25)"
+    assert F.describe(F.wrong_scale(2.0)) == "wrong_scale(factor=2.0)"
+    assert (F.describe(F.permuted_layout("tile_swap", block=4, seed=3))
+            == "permuted_layout(kind='tile_swap', block=4, seed=3)")
     assert F.describe(F.sign_flip()) == "sign_flip()"
     names = {EXAMPLES[k][0].name for k in EXAMPLES}
     assert names == {"bit_flip", "multi_bit_flip", "random_value", "zeroed", "stuck_at",

@@ -123,6 +123,6 @@ def test_playback_reports_a_nondeterministic_reference_and_does_not_blame_the_ca
     assert spread and all("run-to-run" in e["summary"] for e in spread), effects
     assert all(e["change"] <= e["noise"] for e in effects), effects
     # a real bug at one site is still blamed
-    bad = playback(tmp_path / "run", {"fwd:dot_general": peat.faults.scale(1.5)}, workload=wl,
+    bad = playback(tmp_path / "run", {"fwd:dot_general": peat.faults.wrong_scale(1.5)}, workload=wl,
                    name="bad", checkpoints=[3])
     assert all(not r["effect"]["passed"] and not r["local"]["passed"] for r in bad.records())

@@ -21,7 +21,7 @@ from peat_jax._src.profiler import distributed
 from peat_jax._src.profiler.campaign import merged_records
 from peat_jax._src.profiler.playback import playback
 
-FAULT = "scale(2.0)"
+FAULT = "wrong_scale(2.0)"
 COMPARED = ("checkpoint", "site", "candidate", "status", "local", "effect", "effect_leaf", "loss",
             "local_signature")
 
@@ -33,8 +33,8 @@ CHECKPOINTS = "0,20"
 def run(small_vision_run):
     """The shared small vision run (checkpoints 0 and 20 x its 6 dot_general sites: 12 cells),
     and the one-process campaign's records, by cell."""
-    one = playback(small_vision_run, {"dot_general": peat.faults.scale(2.0)}, checkpoints=[0, 20],
-                   name="dist-one")
+    one = playback(small_vision_run, {"dot_general": peat.faults.wrong_scale(2.0)},
+                   checkpoints=[0, 20], name="dist-one")
     return small_vision_run, {(r["checkpoint"], r["site"]): r for r in one.records()}
 
 
@@ -141,7 +141,7 @@ def test_coordinator_that_cannot_be_reached_is_a_clear_error(capsys, monkeypatch
 def test_runtime_and_profile_refuse_to_run_as_one_of_several_processes(command, how, capsys,
                                                                        monkeypatch, tmp_path):
     monkeypatch.setenv("PEAT_CACHE_DIR", "off")
-    argv = (["runtime", str(tmp_path), "--fault", "scale(2.0)", "--every", "2"]
+    argv = (["runtime", str(tmp_path), "--fault", "wrong_scale(2.0)", "--every", "2"]
             if command == "runtime" else ["profile", "vision", "--out", str(tmp_path / "p")])
     if how == "flags":
         argv += ["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "0"]

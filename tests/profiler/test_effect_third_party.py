@@ -108,7 +108,7 @@ def test_third_party_model_correct_kernel_masked_and_scaled_gradient_caught(kind
     if kind == "gpt2":
         assert moved and any("rounding pseudo-error" in e.summary for e in moved)
 
-    faulty = playback(run, {"bwd:dot_general": peat.faults.scale(1.01)}, workload=wl,
+    faulty = playback(run, {"bwd:dot_general": peat.faults.wrong_scale(1.01)}, workload=wl,
                       checkpoints=[1], name="x1.01")
     assert len(faulty.cells) > 5 and faulty.compiles == 1
     assert all(c.status == "ok" and not c.local.passed for c in faulty.cells)

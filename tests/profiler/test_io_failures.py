@@ -30,7 +30,7 @@ FULL = "No space left on device (ENOSPC)"
 
 
 def _sub():
-    return {SELECTOR: peat.faults.scale(2.0)}
+    return {SELECTOR: peat.faults.wrong_scale(2.0)}
 
 
 def _tensorstore_full(path: str) -> ValueError:
@@ -152,7 +152,7 @@ def test_cli_prints_one_line_for_a_full_disk(own_run, tmp_path):
         sys.argv = ["peat", *sys.argv[1:]]
         sys.exit(cli.main(sys.argv[1:]))
     """)
-    argv = ["playback", str(own_run), "--fault", "scale(2.0)", "--sites", SELECTOR,
+    argv = ["playback", str(own_run), "--fault", "wrong_scale(2.0)", "--sites", SELECTOR,
             "--checkpoints", "0", "--name", "full"]
     r = subprocess.run([sys.executable, "-c", driver, *argv], capture_output=True, text=True,
                        timeout=300)
@@ -160,8 +160,8 @@ def test_cli_prints_one_line_for_a_full_disk(own_run, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert lines[0].startswith(f"peat: error: campaign 'full' of run dir {own_run} stopped: ")
-    assert lines[0].endswith(f"then run `peat playback {own_run} --fault 'scale(2.0)' --sites "
-                             f"{SELECTOR} --checkpoints 0 --name full` again to resume")
+    assert lines[0].endswith(f"then run `peat playback {own_run} --fault 'wrong_scale(2.0)' "
+                             f"--sites {SELECTOR} --checkpoints 0 --name full` again to resume")
 
 
 @pytest.mark.slow

@@ -140,7 +140,7 @@ def test_a_kernel_past_the_time_limit_in_its_float64_run_stops_the_campaign(run)
 
 def test_bad_cell_timeout_is_refused(run):
     with pytest.raises(peat.PeatError, match="cell_timeout must be a positive number"):
-        playback(run, {"dot_general": peat.faults.scale(2.0)}, cell_timeout=0)
+        playback(run, {"dot_general": peat.faults.wrong_scale(2.0)}, cell_timeout=0)
 
 
 @pytest.mark.slow

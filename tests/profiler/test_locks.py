@@ -30,7 +30,7 @@ SELECTOR = "fwd:dot_general"  # 2 sites
 
 
 def _sub():
-    return {SELECTOR: peat.faults.scale(2.0)}
+    return {SELECTOR: peat.faults.wrong_scale(2.0)}
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,7 @@ def test_second_process_fails_fast_naming_the_holder(run, vision, holder):
 @pytest.mark.slow
 def test_cli_second_process_prints_one_line_naming_the_holder(run, holder):
     r = subprocess.run([sys.executable, "-m", "peat_jax", "playback", str(run), "--fault",
-                        "scale(2.0)", "--sites", SELECTOR, "--name", "busy", "--cell-timeout",
+                        "wrong_scale(2.0)", "--sites", SELECTOR, "--name", "busy", "--cell-timeout",
                         "30"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()

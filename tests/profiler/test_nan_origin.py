@@ -99,7 +99,7 @@ def test_bit_flip_at_a_known_site_is_named_as_the_nan_origin(mlp, golden, phase)
 
 
 def test_no_nan_no_origin(mlp, golden):
-    r = runtime(golden, {"dot_general": peat.faults.scale(1.0 + 2 ** -10)}, peat.every(2),
+    r = runtime(golden, {"dot_general": peat.faults.wrong_scale(1.0 + 2 ** -10)}, peat.every(2),
                 steps=6, workload=mlp)
     assert all(np.isfinite(r.losses)) and r.nan_origin is None
 

@@ -62,7 +62,7 @@ def test_candidate_wrong_on_large_activations_fails_only_in_later_checkpoints(ru
 
 
 def test_rerun_of_an_interrupted_campaign_appends_only_missing_cells(run):
-    sub = {"fwd:dot_general": peat.faults.scale(2.0)}
+    sub = {"fwd:dot_general": peat.faults.wrong_scale(2.0)}
     first = playback(run, sub, checkpoints=[0], name="resume")
     path = run / "campaigns" / "resume" / "results.jsonl"
     assert len(path.read_text().splitlines()) == 2
@@ -97,15 +97,15 @@ def test_cells_spread_over_four_devices_give_the_same_verdicts(run, tmp_path):
         import json, jax, peat_jax as peat
         from peat_jax._src.profiler.playback import playback
         assert len(jax.devices()) == 4
-        res = playback({str(run)!r}, {{"dot_general": peat.faults.scale(2.0)}}, checkpoints=[20],
-                       name="four")
+        res = playback({str(run)!r}, {{"dot_general": peat.faults.wrong_scale(2.0)}},
+                       checkpoints=[20], name="four")
         print(json.dumps([[r["site"], r["local"]["model"], r["effect"]["model"]]
                           for r in res.records()]), res.compiles)
     """)
     out = emulated_devices.run(["-c", script], devices=4)
     assert out.returncode == 0, out.stderr[-2000:]
     four, compiles = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)
-    one = playback(run, {"dot_general": peat.faults.scale(2.0)}, checkpoints=[20], name="one",
+    one = playback(run, {"dot_general": peat.faults.wrong_scale(2.0)}, checkpoints=[20], name="one",
                    devices=jax.devices()[:1])
     assert json.loads(four) == [[r["site"], r["local"]["model"], r["effect"]["model"]]
                                 for r in one.records()]
@@ -138,7 +138,7 @@ def test_language_workload_playback_through_scan_and_remat(tmp_path):
 
 
 def test_resumed_cells_are_cells_with_diagnoses(run):
-    sub = {"fwd:dot_general": peat.faults.zero()}
+    sub = {"fwd:dot_general": peat.faults.zeroed()}
     first = playback(run, sub, checkpoints=[0], name="cells")
     again = playback(run, sub, checkpoints=[0], name="cells")
     for a, b in zip(first.cells, again.cells):
@@ -150,13 +150,15 @@ def test_resumed_cells_are_cells_with_diagnoses(run):
 
 
 def test_campaign_name_reused_with_other_fault_parameters_is_refused(run):
-    playback(run, {"fwd:dot_general": peat.faults.scale(2.0)}, checkpoints=[0], name="reuse")
+    playback(run, {"fwd:dot_general": peat.faults.wrong_scale(2.0)}, checkpoints=[0], name="reuse")
     path = run / "campaigns" / "reuse" / "results.jsonl"
     before = path.read_bytes()
     # same fault kind and name ("wrong_scale"), other parameter: not the same campaign
     with pytest.raises(peat.PeatError, match="another substitution.*choose another name"):
-        playback(run, {"fwd:dot_general": peat.faults.scale(1.0)}, checkpoints=[0], name="reuse")
+        playback(run, {"fwd:dot_general": peat.faults.wrong_scale(1.0)}, checkpoints=[0],
+                 name="reuse")
     (run / "campaigns" / "reuse" / "campaign.json").write_text('{"candidates": [')
     with pytest.raises(peat.PeatError, match="campaign.json is damaged"):
-        playback(run, {"fwd:dot_general": peat.faults.scale(2.0)}, checkpoints=[0], name="reuse")
+        playback(run, {"fwd:dot_general": peat.faults.wrong_scale(2.0)}, checkpoints=[0],
+                 name="reuse")
     assert path.read_bytes() == before

@@ -116,7 +116,7 @@ def test_runtime_nan_at_a_step_is_immediate(golden):
 
 def test_runtime_bad_arguments(golden, tmp_path):
     _, run = golden
-    sub = {"dot_general": peat.faults.zero()}
+    sub = {"dot_general": peat.faults.zeroed()}
     with pytest.raises(peat.PeatError, match="beyond the golden run"):
         runtime(run, sub, peat.every(2), steps=31)
     with pytest.raises(peat.PeatError, match="does not exist"):

@@ -32,12 +32,12 @@ PACKAGE = pathlib.Path(peat.__file__).resolve().parent
 REPO = PACKAGE.parent
 CONFIG = {"batch_size": 16, "width": 8, "hidden": 32}
 STEPS, EVERY = 6, 2  # checkpoints 0, 2, 4, 6; playback grids replay 0, 2, 4
-FAULT = "scale(2.0)"
+FAULT = "wrong_scale(2.0)"
 SELECTOR = "fwd:dot_general"  # 2 sites: a grid of 3 x 2 cells
 
 
 def _sub():
-    return {SELECTOR: peat.faults.scale(2.0)}
+    return {SELECTOR: peat.faults.wrong_scale(2.0)}
 
 
 @pytest.fixture(scope="module")
@@ -528,7 +528,7 @@ def test_api_bad_arguments_are_one_line_errors_and_write_nothing(golden, tmp_pat
          r"are not in .*available: \[0, 2, 4, 6\]"),
         (lambda: playback(tmp_path / "nope", _sub()), "does not exist"),
         (lambda: restore(run, 3), r"no checkpoint for step 3 .*available: \[0, 2, 4, 6\]"),
-        (lambda: playback(run, {"NoSuchModule/*": peat.faults.zero()}, name="nothing"),
+        (lambda: playback(run, {"NoSuchModule/*": peat.faults.zeroed()}, name="nothing"),
          "selector 'NoSuchModule/\\*' matches no site"),
         (lambda: playback(run, _sub(), sites="bwd:NoSuchModule/*", name="nothing"),
          "matches no site"),
@@ -642,7 +642,7 @@ def test_cli_imports_user_code_only_when_named_as_module_attribute(tmp_path):
         ["sites", "vision", "--json", "--primitive", "dot_general"],
         ["playback", str(tmp_path / "nope"), "--kernel", "pallas_matmul"],
         ["runtime", str(tmp_path / "nope"), "--fault",
-         "scale(__import__('os').system('touch pwned'))", "--every", "2"],
+         "wrong_scale(__import__('os').system('touch pwned'))", "--every", "2"],
         ["sites", "vision:no_such_attribute"],  # named: imported (the sentinel works)
     ]
     env = {k: v for k, v in _env().items() if k != "PYTHONPATH"}

@@ -158,7 +158,7 @@ def check_profile_restore_playback(mode: str, run_dir: str) -> dict:
         assert w1.addressable_shards[0].data.shape == (8 // DEVICES, w1.shape[1])
 
     # the golden replay of step 2 is the golden step 2, bit for bit
-    replayed = jax.jit(peat.switched(wl.train_step, {"dot_general": peat.faults.scale(2.0)}))
+    replayed = jax.jit(peat.switched(wl.train_step, {"dot_general": peat.faults.wrong_scale(2.0)}))
     new, metrics = replayed(-1, restore(run_dir, 2, workload=wl), wl.batch(2))
     assert all(_close(a, b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(live[3])))
     assert float(metrics["loss"]) == golden.losses[2]
@@ -168,7 +168,7 @@ def check_profile_restore_playback(mode: str, run_dir: str) -> dict:
     inside = [s for s in dots if "shard_map" in s.scope]
     assert len(inside) == (len(dots) if mode == "shard_map" else 0), [s.scope for s in dots]
 
-    result = peat.playback(run_dir, {"dot_general": peat.faults.scale(2.0)}, checkpoints=[2],
+    result = peat.playback(run_dir, {"dot_general": peat.faults.wrong_scale(2.0)}, checkpoints=[2],
                            workload=wl)
     assert result.compiles == 1, result.compiles
     assert len(result.cells) == len(dots)
@@ -177,13 +177,13 @@ def check_profile_restore_playback(mode: str, run_dir: str) -> dict:
         assert cell.local is not None and not cell.local.passed, (cell.site, cell.local)
         assert cell.local.model == "wrong_scale", cell.local
         assert not cell.effect.passed, (cell.site, cell.effect)
-    same = peat.playback(run_dir, {"dot_general": peat.faults.scale(1.0)}, checkpoints=[2],
+    same = peat.playback(run_dir, {"dot_general": peat.faults.wrong_scale(1.0)}, checkpoints=[2],
                          workload=wl, name="identity")
     assert all(c.effect.model == "masked" and c.local.model == "exact" for c in same.cells), \
         [(c.site.index, c.local.model, c.effect.model) for c in same.cells]
 
     # runtime injection on the sharded state: bitwise the golden run until the candidate fires
-    r = peat.runtime(run_dir, {"dot_general": peat.faults.scale(2.0)}, peat.at_steps([2]),
+    r = peat.runtime(run_dir, {"dot_general": peat.faults.wrong_scale(2.0)}, peat.at_steps([2]),
                      steps=4, workload=wl)
     assert r.fired_steps == (2,) and r.losses[:2] == r.golden_losses[:2], r
     assert r.losses[2] != r.golden_losses[2], r
@@ -203,7 +203,7 @@ def check_shard_map_substitution() -> dict:
         [s.in_shapes for s in inside]   # the body sees one shard of the batch
     plain = jax.tree.leaves(jax.jit(wl.train_step)(*args))
     same = jax.jit(peat.substitute(wl.train_step, {tuple(s.index for s in inside):
-                                                   peat.faults.scale(1.0)}))(*args)
+                                                   peat.faults.wrong_scale(1.0)}))(*args)
     assert all(_bitwise(a, b) or np.allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
                for a, b in zip(jax.tree.leaves(same), plain))
     flipped = jax.jit(peat.switched(wl.train_step, {"dot_general": peat.faults.sign_flip()}))
@@ -230,7 +230,7 @@ def check_errors(run_dir: str) -> dict:
     assert sorted(os.listdir(run_dir + "/drift/checkpoints")) == ["0"]   # step 2's not saved
     peat.profile(wl, run_dir + "/ok", steps=2, checkpoint_every=2)
     with pytest.raises(peat.PeatError, match="sharded over 4 devices.*leave devices= out"):
-        peat.playback(run_dir + "/ok", {"dot_general": peat.faults.scale(2.0)}, workload=wl,
+        peat.playback(run_dir + "/ok", {"dot_general": peat.faults.wrong_scale(2.0)}, workload=wl,
                       devices=jax.devices())
     assert not os.path.exists(run_dir + "/ok/campaigns")   # refused before anything is written
     return {"errors": 2}
@@ -274,10 +274,11 @@ def test_shard_map_layout_is_read_and_rebuilt_on_this_release():
     assert all(s.scope == ("shard_map",) for s in dots) and {s.phase for s in dots} == {"fwd",
                                                                                          "bwd"}
     plain = jax.jit(jax.grad(f))(w, x)
-    same = jax.jit(peat.substitute(jax.grad(f), {"dot_general": peat.faults.scale(1.0)}))(w, x)
+    same = jax.jit(peat.substitute(jax.grad(f),
+                                   {"dot_general": peat.faults.wrong_scale(1.0)}))(w, x)
     assert _bitwise(same, plain)
     for s in dots:
-        bad = jax.jit(peat.substitute(jax.grad(f), {s.index: peat.faults.scale(2.0)}))(w, x)
+        bad = jax.jit(peat.substitute(jax.grad(f), {s.index: peat.faults.wrong_scale(2.0)}))(w, x)
         assert not _bitwise(bad, plain), s
 
 

@@ -40,7 +40,7 @@ def runs(tmp_path_factory):
     profile(wl, out["ref"], steps=STEPS, checkpoint_every=STEPS, stats_every=1)
     profile(wl, out["again"], steps=STEPS, checkpoint_every=STEPS, stats_every=1)
     profile(wl, out["scaled"], steps=STEPS, checkpoint_every=STEPS, stats_every=1,
-            substitution={_bwd_gemm(wl).index: peat.faults.scale(1.5)})
+            substitution={_bwd_gemm(wl).index: peat.faults.wrong_scale(1.5)})
     profile(wl, out["pallas"], steps=STEPS, checkpoint_every=STEPS, stats_every=1,
             substitution={"dot_general": peat.kernels.pallas_matmul()})
     return out
@@ -96,7 +96,7 @@ def test_a_fault_at_one_backward_gemm_is_localised(runs):
     assert c.diagnosis.model == "wrong_scale" and not c.diagnosis.passed
     assert c.first_difference is c.divergence
     sub = RunDir(runs["scaled"]).manifest()["substitution"]
-    assert sub == [{"selector": repr(site.index), "candidate": peat.faults.scale(1.5).name,
+    assert sub == [{"selector": repr(site.index), "candidate": peat.faults.wrong_scale(1.5).name,
                    "sites": [site.index]}]
     differs = {r.key for r in c.environments if r.differs}
     assert differs == {"substitution"}
@@ -175,8 +175,8 @@ def test_compare_needs_statistics(runs):
 def test_profile_cli_trains_with_a_fault_in_place(tmp_path, capsys):
     run = tmp_path / "run"
     rc = cli.main(["profile", "vision", "--out", str(run), "--steps", "2", "--checkpoint-every",
-                   "2", "--stats-every", "2", "--fault", "scale(1.5)", "--sites", "bwd:dot_general",
-                   "--json"])
+                   "2", "--stats-every", "2", "--fault", "wrong_scale(1.5)", "--sites",
+                   "bwd:dot_general", "--json"])
     assert rc == 0 and json.loads(capsys.readouterr().out)["steps"] == 2
     m = RunDir(run).manifest()
     assert m["stats_every"] == 2 and m["substitution"][0]["selector"] == "'bwd:dot_general'"

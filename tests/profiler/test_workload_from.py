@@ -81,7 +81,7 @@ def test_plain_jax_mlp_with_a_data_function_profiles_replays_plays_back_and_inje
     assert all(c.status == "ok" and c.local.passed and c.effect.passed for c in res.cells), [
         (c.status, c.local.summary, c.effect.summary) for c in res.cells]
 
-    rt = peat.runtime(run, {"dot_general": peat.faults.scale(4.0)}, peat.every(1), steps=3,
+    rt = peat.runtime(run, {"dot_general": peat.faults.wrong_scale(4.0)}, peat.every(1), steps=3,
                       workload=wl)
     assert rt.golden_losses == g.losses and rt.losses != rt.golden_losses
 
@@ -215,7 +215,7 @@ def test_peat_profile_takes_a_factory_of_workload_from(tmp_path, monkeypatch, ca
     import wf_factory_mod
     wl = wf_factory_mod.make()
     assert _replays_bitwise(wl, run, 2) == RunDir(run).golden_losses()[2]
-    rc = cli.main(["playback", str(run), "--fault", "scale(2.0)", "--sites", "0",
+    rc = cli.main(["playback", str(run), "--fault", "wrong_scale(2.0)", "--sites", "0",
                    "--checkpoints", "1", "--json"])
     cells = json.loads(capsys.readouterr().out)["cells"]
     assert rc == 1 and len(cells) == 1 and cells[0]["local"]["passed"] is False

@@ -56,7 +56,7 @@ def test_a_registered_workload_is_rebuilt_from_the_run_directory(tmp_path):
     assert rebuilt.config == {"scale": 2.0}
     assert bitwise_equal(restore(tmp_path / "run", 2)["w"],
                          restore(tmp_path / "run", 2, workload=wl)["w"])
-    r = peat.runtime(tmp_path / "run", {"dot_general": peat.faults.scale(2.0)}, peat.every(2),
+    r = peat.runtime(tmp_path / "run", {"dot_general": peat.faults.wrong_scale(2.0)}, peat.every(2),
                      steps=4)
     assert r.outcome in taxonomy.OUTCOMES and len(r.losses) == 4
 

@@ -36,7 +36,8 @@ def test_user_strings_are_escaped(run):
 
 def test_report_lists_verdicts_and_runtime_curves(run):
     peat.playback(run, {"fwd:dot_general": _doubling("twice")}, checkpoints=[3], name="twice")
-    peat.runtime(run, {"dot_general": peat.faults.scale(1.0)}, peat.every(2), steps=6, name="same")
+    peat.runtime(run, {"dot_general": peat.faults.wrong_scale(1.0)}, peat.every(2), steps=6,
+                 name="same")
     path = write_report(run)
     page = path.read_text()
     assert path == run / "report.html"

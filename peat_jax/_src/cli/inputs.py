@@ -77,7 +77,7 @@ def parse_fault(spec: str) -> peat.Fault:
     if isinstance(tree, ast.Name):
         tree = ast.Call(func=tree, args=[], keywords=[])
     if not (isinstance(tree, ast.Call) and isinstance(tree.func, ast.Name)):
-        raise PeatError(f"fault {spec!r} must be a call like \"scale(2.0)\"")
+        raise PeatError(f"fault {spec!r} must be a call like \"wrong_scale(2.0)\"")
     name = tree.func.id
     if name not in peat.faults.ALL:
         raise PeatError(f"unknown fault {name!r}; faults: {', '.join(peat.faults.ALL)}")

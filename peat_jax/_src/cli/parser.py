@@ -86,7 +86,7 @@ def _candidate(sp, campaign: bool = True) -> None:
                     help=f"bundled kernel ({', '.join(KERNELS)}) or module.path:NAME, "
                          "path/to/file.py:NAME or a dotted name (any peat.Kernel, or a factory "
                          "returning one)")
-    sp.add_argument("--fault", help='a fault, e.g. "bit_flip(bit=30)" or "scale(2.0)"')
+    sp.add_argument("--fault", help='a fault, e.g. "bit_flip(bit=30)" or "wrong_scale(2.0)"')
     sp.add_argument("--sites", help="site selector(s), comma-separated (default: the "
                                     "kernel's primitive or function, else dot_general)")
     _intercept(sp)

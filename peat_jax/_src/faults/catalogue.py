@@ -16,12 +16,12 @@ from peat_jax._src.faults.machinery import (Context, Fault, Index, Problem, auto
                                             bits_problem, check_choice, check_count_index,
                                             check_fraction, check_index, check_int, count_problem,
                                             distinct, element_count, fail, fraction_problem,
-                                            index_problem, is_float, is_number, make_fault, mask_k,
+                                            index_problem, is_number, make_fault, mask_k,
                                             nonfloat_problem, normalise_precision, pick,
                                             random_differing, reduction_axes, static_flat,
                                             xor_element)
-from peat_jax._src.formats import (already_as_narrow, float_format, from_bits, round_to_format,
-                                   to_bits)
+from peat_jax._src.formats import (already_as_narrow, float_format, from_bits, is_floating,
+                                   round_to_format, to_bits)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,7 +196,7 @@ def nan_inf(value: str = "nan", *, count: int = 1, index: Index = None, seed: in
 # 4. Zeroing, 5. stuck-at bits, 6. scale, 7. sign flip
 # ----------------------------------------------------------------------------------------------
 
-def zero(fraction: float = 1.0, *, seed: int = 0) -> Fault:
+def zeroed(fraction: float = 1.0, *, seed: int = 0) -> Fault:
     """Zero exactly ``round(fraction * size)`` seeded output elements (taxonomy ``zeroed``).
 
     Args:
@@ -260,7 +260,7 @@ def stuck_at(bit: int, value: int = 1, *, fraction: float = 1.0, seed: int = 0) 
     return _make("stuck_at", params, core, check)
 
 
-def scale(factor: float, *, seed: int = 0) -> Fault:
+def wrong_scale(factor: float, *, seed: int = 0) -> Fault:
     """Multiply the whole output by `factor` (taxonomy ``wrong_scale``).
 
     Args:
@@ -316,7 +316,7 @@ def sign_flip(fraction: float = 1.0, *, seed: int = 0) -> Fault:
 # 8. Reduced precision, 9. low-precision accumulation
 # ----------------------------------------------------------------------------------------------
 
-def truncate(precision: str = "bf16", *, where: str = "inputs", seed: int = 0) -> Fault:
+def reduced_precision(precision: str = "bf16", *, where: str = "inputs", seed: int = 0) -> Fault:
     """Emulate a narrower number format (taxonomy ``reduced_precision``).
 
     Rounding is round-to-nearest-even. "tf32" (10 mantissa bits) and "bf16" (7) round the
@@ -350,7 +350,7 @@ def truncate(precision: str = "bf16", *, where: str = "inputs", seed: int = 0) -
             return Problem(f"output dtype {jnp.dtype(ctx.out_dtype).name} is already as narrow as "
                             f"{precision}: no-op", False)
         if where == "inputs" and ctx.in_dtypes is not None:
-            floats = [d for d in ctx.in_dtypes if is_float(d)]
+            floats = [d for d in ctx.in_dtypes if is_floating(d)]
             if not floats:
                 return Problem("no floating operand to round: no-op", False)
             if all(already_as_narrow(d, precision) for d in floats):
@@ -361,7 +361,7 @@ def truncate(precision: str = "bf16", *, where: str = "inputs", seed: int = 0) -
     def core(out, reference, operands, key, site):
         if where == "output":
             return round_to_format(out, precision)
-        rounded = tuple(round_to_format(o, precision) if is_float(jnp.result_type(o)) else o
+        rounded = tuple(round_to_format(o, precision) if is_floating(jnp.result_type(o)) else o
                         for o in operands)
         return reference(*rounded)
 
@@ -385,7 +385,7 @@ def low_precision_accumulation(dtype: str = "bf16", *, chunk: int = 8, seed: int
     ``apply`` raises there.
 
     Args:
-      dtype: accumulator format, "bf16", "fp16" or "tf32" (rounded as in `truncate`).
+      dtype: accumulator format, "bf16", "fp16" or "tf32" (rounded as in `reduced_precision`).
       chunk: reduction elements per partial result (>= 1).
       seed: unused, kept in params like every fault's.
 
@@ -512,7 +512,8 @@ def tile_boundary(block: int = 32, *, axis: int = -1, where: str = "last_partial
     return _make("tile_boundary", params, core, check)
 
 
-def permute(kind: str = "transpose", *, block: Optional[int] = None, seed: int = 0) -> Fault:
+def permuted_layout(kind: str = "transpose", *, block: Optional[int] = None,
+                    seed: int = 0) -> Fault:
     """Put the right values in the wrong places (taxonomy ``permuted_layout``).
 
     Args:
@@ -600,7 +601,7 @@ def operand_corruption(operand: int = 0, *, axis: int = 0, index: Optional[int] 
         if operand >= len(ctx.in_shapes):
             return Problem(f"operand {operand} does not exist ({len(ctx.in_shapes)} operands)",
                             True)
-        if ctx.in_dtypes is not None and not is_float(ctx.in_dtypes[operand]):
+        if ctx.in_dtypes is not None and not is_floating(ctx.in_dtypes[operand]):
             return Problem(f"operand {operand} is not floating "
                             f"({jnp.dtype(ctx.in_dtypes[operand]).name})", True)
         shape = ctx.in_shapes[operand]
@@ -636,8 +637,9 @@ def operand_corruption(operand: int = 0, *, axis: int = 0, index: Optional[int] 
 # ----------------------------------------------------------------------------------------------
 
 ALL: tuple[str, ...] = (
-    "bit_flip", "multi_bit_flip", "random_value", "zero", "stuck_at", "scale", "sign_flip",
-    "truncate", "low_precision_accumulation", "tile_boundary", "permute", "operand_corruption",
+    "bit_flip", "multi_bit_flip", "random_value", "zeroed", "stuck_at", "wrong_scale",
+    "sign_flip", "reduced_precision", "low_precision_accumulation", "tile_boundary",
+    "permuted_layout", "operand_corruption",
     "nan_inf",
 )
 """Names of the fault constructors in this module (``getattr(faults, name)``)."""

@@ -14,7 +14,8 @@ import numpy as np
 from jax import lax
 
 from peat_jax._src.errors import PeatError
-from peat_jax._src.formats import NARROW_ALIASES, NARROW_FORMATS, float_format, from_bits, to_bits
+from peat_jax._src.formats import (NARROW_ALIASES, NARROW_FORMATS, float_format, from_bits,
+                                   is_floating, to_bits)
 
 Index = Union[None, int, tuple]
 
@@ -48,7 +49,7 @@ class Fault:
         """None if this fault may be applied at `site`, else a one-line reason."""
         if self.supports is not None:
             return self.supports(site)
-        if not any(is_float(d) for d in site.out_dtypes):
+        if not any(is_floating(d) for d in site.out_dtypes):
             return "the site has no floating-point output to fault"
         return None
 
@@ -92,10 +93,6 @@ def check_index(index) -> Index:
     if isinstance(index, (list, tuple)):
         return tuple(check_int("index entry", i) for i in index)
     return check_int("index", index)
-
-
-def is_float(dtype) -> bool:
-    return dtype is not None and jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
 
 
 def as_key(key, seed: int):
@@ -234,7 +231,7 @@ def ctx_from_site(site) -> Context:
 
 
 def nonfloat_problem(ctx: Context) -> Optional[Problem]:
-    if ctx.out_dtype is not None and not is_float(ctx.out_dtype):
+    if ctx.out_dtype is not None and not is_floating(ctx.out_dtype):
         return Problem(f"output dtype {jnp.dtype(ctx.out_dtype).name} is not floating: "
                         "the fault leaves it unchanged", False)
     if ctx.out_shape is not None and math.prod(ctx.out_shape) == 0:
@@ -286,7 +283,7 @@ def make_fault(name: str, params: dict, core: Callable,
 
 
 def bits_problem(bits: Sequence[int], n_bits: int, ctx: Context) -> Optional[Problem]:
-    if ctx.out_dtype is None or not is_float(ctx.out_dtype):
+    if ctx.out_dtype is None or not is_floating(ctx.out_dtype):
         return None
     width = float_format(ctx.out_dtype).bits
     bad = [b for b in bits if b >= width]

@@ -71,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax._src import _jax
-from peat_jax._src.formats import unit_roundoff
+from peat_jax._src.formats import is_floating, unit_roundoff
 from peat_jax._src.promote import evaluate
 from peat_jax._src.sites import trace_key
 
@@ -108,10 +108,6 @@ TRANSCENDENTAL = frozenset({
     "bessel_i1e", "cumlogsumexp", "logaddexp",
 })
 """Primitives a math library approximates (up to an ULP apart between libraries)."""
-
-
-def _is_float(x) -> bool:
-    return jnp.issubdtype(getattr(x, "dtype", np.float32), jnp.floating)
 
 
 def _terms(eqn, invals) -> tuple[Any, int]:
@@ -215,12 +211,12 @@ class _Perturb:
         done, own = [], None
         for v, y in zip(eqn.outvars, outs):
             dtype = v.aval.dtype
-            if not (_is_float(y) and jnp.issubdtype(dtype, jnp.floating)):
+            if not (is_floating(y) and jnp.issubdtype(dtype, jnp.floating)):
                 done.append(y)
                 continue
             u = unit_roundoff(dtype)
             if name == "convert_element_type":
-                narrower = _is_float(eqn.invars[0].aval) and \
+                narrower = is_floating(eqn.invars[0].aval) and \
                     unit_roundoff(eqn.invars[0].aval.dtype) < u
                 own = u * jnp.abs(y) if narrower else None
                 done.append(y * (1 + u * self._uniform(y.shape)) if narrower else y)
@@ -268,7 +264,7 @@ class _Perturb:
             independent = not any(_var_key(v) in self.selected for v in eqn.invars)
             parts = jnp.zeros_like(y)
             for v, x in zip(eqn.invars, invals):
-                if not _is_float(x):
+                if not is_floating(x):
                     continue
                 scale = self.operand_scale * u * depth * jnp.abs(x)
                 carried = self._rounding_of(v)
@@ -314,7 +310,7 @@ def _carried(eqn, invals, rounding) -> Any:
     name = eqn.primitive.name
     if all(r is None for r in rounding):
         return None
-    r = [jnp.zeros_like(x) if a is None and _is_float(x) else a
+    r = [jnp.zeros_like(x) if a is None and is_floating(x) else a
          for a, x in zip(rounding, invals)]
     sq = lambda x: x * x  # noqa: E731
     if name in _KEPT:
@@ -375,7 +371,7 @@ def monte_carlo(fn: Callable, args: tuple) -> MonteCarlo:
         # result's
         scale = (k[1] < OPERAND_SCALE_SAMPLES).astype(jnp.float64)
         outs = evaluate(closed, consts, flat, _Perturb(k, scale))
-        return [x.astype(s.dtype).astype(jnp.float64) if _is_float(s) else x
+        return [x.astype(s.dtype).astype(jnp.float64) if is_floating(s) else x
                 for x, s in zip(outs, shapes)]
 
     def many(keys, *flat):

@@ -10,12 +10,11 @@ import dataclasses
 from typing import Callable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from peat_jax._src.analyzer import Signature, analyze
 from peat_jax._src.detector import Diagnosis, by_float64, detect
-from peat_jax._src.formats import float_format
+from peat_jax._src.formats import float_format, is_floating
 from peat_jax._src.judge.conditioning import conditioning_spread
 from peat_jax._src.judge.float64 import float64_evidence
 from peat_jax._src.judge.rounding import rounding_samples
@@ -58,7 +57,7 @@ def judge_site(op: SiteOp, operands: Sequence, candidate: np.ndarray, reference:
     k = op.output
     bits = float_format(reference.dtype).mantissa_bits
     with jax.enable_x64(True):
-        x64 = [np.asarray(x, np.float64) if _is_float(x) else x for x in operands]
+        x64 = [np.asarray(x, np.float64) if is_floating(x) else x for x in operands]
         ref64 = np.asarray(op.float64(*x64)[k])
         if ref64.dtype != np.float64:
             raise ValueError(f"the site's op returns {ref64.dtype} on float64 operands")
@@ -102,8 +101,4 @@ def _with_rounding_floor(op: SiteOp, operands, k: int, candidate, reference, ref
     sig = analyze(candidate, reference, ref64, reduction_length=op.reduction_length,
                   conditioning=spread, rounding=samples[k])
     return sig, detect(sig)
-
-
-def _is_float(x) -> bool:
-    return jnp.issubdtype(np.asarray(x).dtype, jnp.floating)
 

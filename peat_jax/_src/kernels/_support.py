@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax._src.errors import PeatError
+from peat_jax._src.formats import is_floating
 from peat_jax._src.precision import matmul_precision
 from peat_jax._src.regions import region_info
 
@@ -56,20 +57,13 @@ def check_block(name: str, value: Any) -> int:
     return v
 
 
-def _is_float(dtype) -> bool:
-    try:
-        return bool(jnp.issubdtype(dtype, jnp.floating))
-    except TypeError:
-        return False
-
-
 def float_reason(what: str, dtypes: Sequence[Any],
                  allowed: Sequence[Any] = (jnp.float32, jnp.bfloat16, jnp.float16)
                  ) -> Optional[str]:
     """None if every dtype is one of `allowed`, else the reason naming the first that is not."""
     names = {np.dtype(d).name for d in allowed}
     for d in dtypes:
-        if not _is_float(d) or np.dtype(d).name not in names:
+        if not is_floating(d) or np.dtype(d).name not in names:
             return (f"{what} supports {', '.join(sorted(names))} operands, got "
                     f"{np.dtype(d).name if d is not None else d}")
     return None

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax._src.errors import PeatError
+from peat_jax._src.formats import is_inexact
 from peat_jax._src.kernels.base import Kernel
 
 
@@ -33,12 +34,8 @@ _NUMPY_NATIVE = frozenset(np.dtype(d).name for d in (
     np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64))
 
 
-def _is_float(dtype) -> bool:
-    return bool(jnp.issubdtype(dtype, jnp.inexact))
-
-
 def _float0_or_zeros(x):
-    if _is_float(x.dtype):
+    if is_inexact(x.dtype):
         return jnp.zeros(x.shape, x.dtype)
     return np.zeros(x.shape, jax.dtypes.float0)
 
@@ -48,15 +45,11 @@ def _widened(dtype) -> np.dtype:
     d = np.dtype(dtype)
     if d.name in _NUMPY_NATIVE:
         return d
-    return np.dtype(np.float32) if _is_float(d) else d
-
-
-def _types_of(tree) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
+    return np.dtype(np.float32) if is_inexact(d) else d
 
 
 def _float_result_dtype(leaves) -> Optional[np.dtype]:
-    floats = [x.dtype for x in leaves if _is_float(x.dtype)]
+    floats = [x.dtype for x in leaves if is_inexact(x.dtype)]
     return np.dtype(jnp.result_type(*floats)) if floats else None
 
 
@@ -93,7 +86,7 @@ def _numpy_result(fn, operands) -> Any:
 
     def typ(o):
         o = np.asarray(o)
-        dt = back if (back is not None and _is_float(o.dtype)) else o.dtype
+        dt = back if (back is not None and is_inexact(o.dtype)) else o.dtype
         return jax.ShapeDtypeStruct(o.shape, dt)
 
     return jax.tree.map(typ, out)
@@ -141,7 +134,7 @@ def numpy_kernel(fn: Callable, vjp: Optional[Callable] = None, name: Optional[st
         out_leaves, out_tree = jax.tree.flatten(out)
         g_leaves = jax.tree.leaves(g)
         n_in, n_out = len(leaves), len(out_leaves)
-        fl = [(i, x) for i, x in enumerate(leaves) if _is_float(x.dtype)]
+        fl = [(i, x) for i, x in enumerate(leaves) if is_inexact(x.dtype)]
         want = [jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in fl]
 
         def host(*flat):
@@ -250,7 +243,7 @@ def torch_kernel(fn: Callable, name: Optional[str] = None, *, result: Optional[C
         leaves, tree = jax.tree.flatten(ops)
         g_leaves = jax.tree.leaves(g)
         n_in = len(leaves)
-        fl = [i for i, x in enumerate(leaves) if _is_float(x.dtype)]
+        fl = [i for i, x in enumerate(leaves) if is_inexact(x.dtype)]
         want = [jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in fl]
 
         def host(*flat):

@@ -151,24 +151,13 @@ class Effect:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Effect":
-        """The Effect of `to_dict`'s output; an effect recorded by an older version (a Diagnosis
-        dict: model, passed, summary, evidence) is read as ``masked`` when it passed,
-        ``nan_inf`` when it said so and ``perturbed`` otherwise, with its summary kept."""
-        if "moved" not in d:
-            return _from_diagnosis(d)
+        """The Effect of `to_dict`'s output."""
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in fields}
         kw.update(moved=tuple(d.get("moved", ())), nonfinite=tuple(d.get("nonfinite", ())),
                   loss=tuple(d.get("loss", (math.nan,) * 2)),
                   metrics={k: tuple(v) for k, v in (d.get("metrics") or {}).items()})
         return cls(**kw)
-
-
-def _from_diagnosis(d: Mapping[str, Any]) -> Effect:
-    passed = bool(d.get("passed"))
-    name = "masked" if passed else "nan_inf" if d.get("model") == "nan_inf" else "perturbed"
-    return Effect(model=name, passed=passed,
-                  summary=f"{name} (recorded as {d.get('model', '?')}: {d.get('summary', '')})")
 
 
 def effect_tree(state, metrics) -> dict:

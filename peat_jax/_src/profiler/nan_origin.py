@@ -45,6 +45,7 @@ import numpy as np
 
 from peat_jax._src import _interpreter
 from peat_jax._src.errors import PeatError
+from peat_jax._src.formats import is_inexact
 from peat_jax._src.profiler.golden import (available_checkpoints, load_workload, restore,
                                            scalar_metrics)
 from peat_jax._src.profiler.hostio import quiet, to_device
@@ -168,16 +169,11 @@ class NanOrigin:
 def tree_finite(tree) -> jax.Array:
     """A bool scalar array: every floating-point leaf of `tree` is finite everywhere (traceable:
     a step folds it into its own program, so reading it costs no program of its own)."""
-    leaves = [x for x in jax.tree.leaves(tree) if _is_float(x)]
+    leaves = [x for x in jax.tree.leaves(tree) if is_inexact(x)]
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves] or [jnp.ones((), bool)]))
 
 
 _finite = jax.jit(tree_finite)
-
-
-def _is_float(x) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jnp.inexact)
 
 
 def all_finite(tree) -> bool:
@@ -203,7 +199,7 @@ def _watching(site: Site, rule) -> Any:
         outs = list(rule(op, invals, reference) if rule is not None else reference(*invals))
         bad = jnp.zeros((), bool)
         for o in outs:
-            if _is_float(o):
+            if is_inexact(o):
                 bad = bad | ~jnp.all(jnp.isfinite(o))
         judged = _judged_output(outs)
         top = (jnp.zeros((), jnp.float32) if judged is None

@@ -346,10 +346,11 @@ def _play_checkpoint(run: _Run, c: int, todo: Sequence[Site], state, batch) -> f
     groups = run.replay.groups([s for s in todo if s.index not in crashed])
     judge = _SiteJudge(run, c, state, batch)
     for group, outs in _outputs(run, c, groups, state, batch):
-        steps = pseudo_errors(run, group, golden, outs, ref_spread, state, batch)
+        changes = candidate_changes(group, golden, outs)
+        pseudo = pseudo_errors(run, group, golden, changes, ref_spread, state, batch)
         for s in group:
             run.finish(_diagnosed(run, c, s, golden, outs, ref_spread, state, judge,
-                                  *steps.get(s.index, (None, None))))
+                                  changes.get(s.index), pseudo.get(s.index)))
             if judge.timed_out:
                 raise CellTimeout(
                     f"cell {(c, s.index)} of campaign {run.campaign.name!r}: {judge.timed_out}. "
@@ -360,29 +361,33 @@ def _play_checkpoint(run: _Run, c: int, todo: Sequence[Site], state, batch) -> f
     return spread
 
 
-def pseudo_errors(run: _Run, group: Sequence[Site], golden, outs, ref_spread, state, batch
-                   ) -> dict[int, tuple[dict, PseudoSpread]]:
-    """Site index -> (the candidate's `step_changes`, its `PseudoSpread`) for the cells of
-    `group` whose replay ran: the golden step replayed with up to `PSEUDO_SAMPLES` rounding
-    pseudo-errors at the cell's site (the same executable, `sample` traced), for the cells
-    whose step moved beyond the dtype's rounding and the reference's own spread; sampling
-    stops for a cell as soon as its step is within the noise of the samples so far (a cell
-    whose step went non-finite needs none: no rounding excuses it)."""
+def candidate_changes(group: Sequence[Site], golden, outs) -> dict[int, dict]:
+    """Site index -> the `step_changes` of the candidate's step against the golden step, for
+    the cells of `group` whose replay ran and could be read (waits for those replays)."""
     if isinstance(outs, BaseException):
         return {}
-    found: dict[int, tuple[dict, PseudoSpread]] = {}
+    found: dict[int, dict] = {}
     for s in group:
         try:
-            changes = step_changes(golden, outs[s.index])
+            found[s.index] = step_changes(golden, outs[s.index])
         except Exception:  # noqa: BLE001 - the cell is recorded as crashed by _diagnosed
-            changes = None
-        if changes is not None:
-            found[s.index] = (changes, PseudoSpread())
+            pass
+    return found
+
+
+def pseudo_errors(run: _Run, group: Sequence[Site], golden, changes: dict[int, dict],
+                  ref_spread, state, batch) -> dict[int, PseudoSpread]:
+    """Site index -> the step's `PseudoSpread` under rounding pseudo-errors at the cell's
+    site, for the cells of `group` with `changes` (`candidate_changes`): the golden step
+    replayed with up to `PSEUDO_SAMPLES` pseudo-errors there (the same executable, `sample`
+    traced), for the cells whose step moved beyond the dtype's rounding and the reference's
+    own spread; sampling stops for a cell as soon as its step is within the noise of the
+    samples so far (a cell whose step went non-finite needs none: no rounding excuses it)."""
+    found = {s.index: PseudoSpread() for s in group if s.index in changes}
 
     def moving(s: Site) -> bool:
-        changes, pseudo = found[s.index]
-        moved = moved_leaves(golden, changes, ref_spread, pseudo)
-        return bool(moved) and not any(changes[p][1] for p in moved)
+        moved = moved_leaves(golden, changes[s.index], ref_spread, found[s.index])
+        return bool(moved) and not any(changes[s.index][p][1] for p in moved)
 
     need = [s for s in group if s.index in found and moving(s)]
     for k in range(PSEUDO_SAMPLES):
@@ -391,10 +396,10 @@ def pseudo_errors(run: _Run, group: Sequence[Site], golden, outs, ref_spread, st
         try:
             steps = jax.block_until_ready(run.replay.dispatch(need, state, batch, k))
             for s in need:
-                found[s.index][1].add(step_changes(golden, steps[s.index]))
+                found[s.index].add(step_changes(golden, steps[s.index]))
         except Exception as e:  # noqa: BLE001 - judged without it, and the effect says why
             for s in need:
-                found[s.index][1].error = error_line(e)
+                found[s.index].error = error_line(e)
             break
         need = [s for s in need if moving(s)]
     return found
@@ -501,7 +506,7 @@ def _failed_cell(checkpoint: int, site: Site, candidate: str, status: str, error
 
 def _cell_from_record(rec: dict, site: Site) -> Cell:
     """A cell read back from results.jsonl (a resumed campaign), with Diagnosis and Effect
-    objects again (an effect recorded as a Diagnosis by an older version is read as an Effect)."""
+    objects again."""
     def diag(d):
         return None if d is None else Diagnosis(d["model"], bool(d["passed"]),
                                                 float(d["confidence"]), d.get("evidence", {}),

@@ -299,18 +299,7 @@ def runtime(run_dir_or_workload: Union[PathLike, Workload], substitution: Substi
 def _runtime(run_dir_or_workload, substitution, schedule, *, steps, workload, regions, name,
              seed, chunk, progress, switch) -> RuntimeResult:
     """`runtime`'s work, under its lock where it writes."""
-    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps <= 0:
-        raise PeatError(f"steps must be a positive int, got {steps!r}")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer))
-                              or chunk <= 0):
-        raise PeatError(f"chunk must be a positive int, got {chunk!r}")
-    if not isinstance(schedule, Schedule):
-        raise PeatError("runtime needs a peat schedule (peat.every / peat.at_steps / "
-                        f"peat.with_probability), got {type(schedule).__name__}")
-    switch = default_switch() if switch is None else switch
-    if switch not in SWITCHES:
-        raise PeatError(f"switch must be one of {', '.join(SWITCHES)} (or None: the backend's "
-                        f"default, {default_switch()!r}), got {switch!r}")
+    switch = _checked_arguments(steps, chunk, schedule, switch)
     rd = store = None
     precision = None
     if isinstance(run_dir_or_workload, Workload):
@@ -381,6 +370,24 @@ def _runtime(run_dir_or_workload, substitution, schedule, *, steps, workload, re
         atomic_write_json(store.path / "runtime.json", result.to_dict())
         store.discard()
     return result
+
+
+def _checked_arguments(steps, chunk, schedule, switch) -> str:
+    """`runtime`'s arguments checked before anything runs (a one-line `PeatError` for each bad
+    one); returns the switch to use (`switch`, or the backend's default for None)."""
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps <= 0:
+        raise PeatError(f"steps must be a positive int, got {steps!r}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer))
+                              or chunk <= 0):
+        raise PeatError(f"chunk must be a positive int, got {chunk!r}")
+    if not isinstance(schedule, Schedule):
+        raise PeatError("runtime needs a peat schedule (peat.every / peat.at_steps / "
+                        f"peat.with_probability), got {type(schedule).__name__}")
+    switch = default_switch() if switch is None else switch
+    if switch not in SWITCHES:
+        raise PeatError(f"switch must be one of {', '.join(SWITCHES)} (or None: the backend's "
+                        f"default, {default_switch()!r}), got {switch!r}")
+    return switch
 
 
 def _with_finite(step_fn: Callable) -> Callable:

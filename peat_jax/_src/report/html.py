@@ -166,7 +166,7 @@ def _failing_cell(r: dict) -> str:
 
 
 def _effect(r: dict) -> Optional[Effect]:
-    """The cell's effect (an effect recorded by an older version read as an Effect)."""
+    """The cell's effect, read back as an `Effect` (None where none was recorded)."""
     return None if r.get("effect") is None else Effect.from_dict(r["effect"])
 
 
