@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -214,6 +218,65 @@ def test_small_shapes_share_one_compiled_program_and_large_ones_reuse_the_sample
         analyze(_normal(1, shape), _normal(2, shape))
     assert cache_size(A.device.sample_program) == samples
     assert cache_size(A.device.shape_program) == shapes + 2
+
+
+class _Compiles(logging.Handler):
+    """Counts XLA compilations of the analyzer's two programs (jax's compile log)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def emit(self, record):
+        m = re.match(r"Finished XLA compilation of jit\((shape|sample)_program\)",
+                     record.getMessage())
+        if m:
+            self.names.append(m.group(1))
+
+    def __enter__(self):
+        logging.getLogger("jax").addHandler(self)
+        # the global flag, not jax.log_compiles(): its context is the calling thread's only
+        self._was = jax.config.jax_log_compiles
+        jax.config.update("jax_log_compiles", True)
+        return self
+
+    def __exit__(self, *exc):
+        jax.config.update("jax_log_compiles", self._was)
+        logging.getLogger("jax").removeHandler(self)
+
+
+# a shape no other test analyses, in float16 with a float64 reference: new programs for each test
+_FRESH = {"concurrent": (3, 5, 7), "ahead": (2, 9, 11)}
+
+
+def test_concurrent_analyses_of_a_new_shape_compile_its_programs_once():
+    shape = _FRESH["concurrent"]
+    g = _normal(3, shape, np.float16)
+    r = g.astype(np.float64)
+    start = threading.Barrier(3)
+
+    def one(k):
+        start.wait()
+        return analyze(g + np.float16(k), g, r)
+
+    with _Compiles() as compiles, ThreadPoolExecutor(3) as pool:
+        sigs = list(pool.map(one, range(3)))
+    assert sorted(compiles.names) == ["sample", "shape"], compiles.names
+    assert [s.counts.mismatched for s in sigs][0] == 0
+
+
+def test_compile_ahead_builds_what_analyze_runs_for_those_shapes():
+    shape = _FRESH["ahead"]
+    with _Compiles() as ahead:
+        n = A.compile_ahead([jax.ShapeDtypeStruct(shape, jnp.float16)], reference64=True,
+                            conditioning=True)
+    assert n == 1 and sorted(ahead.names) == ["sample", "shape"], ahead.names
+    g = _normal(4, shape, np.float16)
+    with _Compiles() as later:
+        analyze(g, g, g.astype(np.float64), conditioning=np.zeros(shape))
+    assert later.names == []
+    assert A.compile_ahead([jax.ShapeDtypeStruct((2,), jnp.int32)], reference64=True,
+                           conditioning=True) == 0   # nothing to analyse as floats
 
 
 def _fields(d, path=""):

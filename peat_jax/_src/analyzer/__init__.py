@@ -30,7 +30,7 @@ is described in ``README.md`` beside this file.
 from __future__ import annotations
 
 from peat_jax._src.analyzer import device
-from peat_jax._src.analyzer.api import analyze
+from peat_jax._src.analyzer.api import analyze, compile_ahead
 from peat_jax._src.analyzer.noise import (DEFAULT_NOISE_FACTOR, DEFAULT_REDUCTION_LENGTH,
                                           DISTRIBUTION_ALLOWANCE, DISTRIBUTION_MIN_ELEMENTS,
                                           DTYPE_ULP_ALLOWANCE, FLOAT_DTYPES, NOISE_FREE_SHARE,
@@ -70,6 +70,7 @@ __all__ = [
     "Structure",
     "WorstElement",
     "analyze",
+    "compile_ahead",
     "device",
     "dtype_noise_bound",
 ]

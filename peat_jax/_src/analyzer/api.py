@@ -88,6 +88,41 @@ def analyze(candidate, golden, reference64=None, *, reduction_length: Optional[i
     return dataclasses.replace(worst, leaves=tuple(sigs))
 
 
+def compile_ahead(outputs, *, reference64: bool, conditioning: bool,
+                  noise_factor: float = DEFAULT_NOISE_FACTOR) -> int:
+    """Builds the statistics programs that `analyze` will run on leaves shaped like `outputs`
+    (a pytree of arrays or `jax.ShapeDtypeStruct`s), by analysing zeros of each distinct shape
+    once (small leaves share a bucket's program: one analysis serves them all). A caller that
+    knows its outputs' shapes early runs this on a worker thread while its own programs
+    compile; `analyze` calls that arrive meanwhile wait for it (jax compiles a program once
+    when threads miss its cache together) rather than compile the same programs again.
+
+    Args:
+      outputs: what will be analysed (only float leaves count).
+      reference64, conditioning: whether those analyses will have a float64 reference and,
+        with it, a conditioning spread (each changes the programs).
+      noise_factor: as `analyze`'s.
+
+    Returns:
+      The number of analyses run (distinct programs asked for).
+    """
+    seen = set()
+    for x in jax.tree.leaves(outputs):
+        shape, dtype = tuple(np.shape(x)), jnp.result_type(x)
+        if not jnp.issubdtype(dtype, jnp.floating) or not math.prod(shape):
+            continue
+        bucket = bucket_of(shape, dtype, DEFAULT_SAMPLE_SIZE)
+        key = ((bucket.padded_rows, bucket.padded_cols) if bucket else shape, dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        zeros = np.zeros(shape, dtype)
+        r = np.zeros(shape, np.float64) if reference64 else None
+        analyze(zeros, zeros, r, noise_factor=noise_factor,
+                conditioning=r if reference64 and conditioning else None)
+    return len(seen)
+
+
 def _leaves_like(name: str, tree, g_def, n: int) -> list:
     """The leaves of the optional pytree `tree` (n Nones when it is None), which must have the
     golden's structure `g_def` (else a PeatError naming `name`)."""

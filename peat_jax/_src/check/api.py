@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import jax
 import numpy as np
 
+from peat_jax._src.analyzer import compile_ahead
 from peat_jax._src.check.judging import (Check, FormatOutputs, Found, Options, Pending,
                                          analysis_workers, comparisons, confirmed_formats,
                                          done_future, explained_by_format, judged_by_float64,
@@ -124,6 +125,8 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     found = Found()
     pool = ThreadPoolExecutor(analysis_workers(), thread_name_prefix="peat-analyze")
     try:
+        # the statistics' programs compile on a worker while the kernels compile here
+        pool.submit(_compile_analyses_ahead, reference, example_args, positions, opts)
         pending = _run_variants(pool, candidate, reference, float64.fn, example_args, names,
                                 positions, repeats, opts, seed, found)
         checks = [Check(p.variant, p.output, p.diagnosis.result()) for p in pending]
@@ -132,6 +135,19 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     checks, no_rounding = _second_looks(checks, candidate, reference, found, opts, seed)
     return verdict(checks, skipped=found.skipped, spread=found.spread, precision=precision,
                     no_float64=found.why64, float64=float64, no_rounding=no_rounding)
+
+
+def _compile_analyses_ahead(reference, example_args: tuple, positions, opts: Options) -> None:
+    """`compile_ahead` for the outputs the checks will analyse: the reference's forward
+    outputs and the gradients' (the differentiated arguments' shapes), with a float64
+    reference. Best effort: a reference that cannot be traced here says so when it runs."""
+    try:
+        outputs = jax.eval_shape(reference, *example_args)
+        grads = [example_args[i] for i in positions]
+        compile_ahead((outputs, grads), reference64=True, conditioning=opts.conditioning,
+                      noise_factor=opts.noise_factor)
+    except Exception:  # noqa: BLE001 - only a head start; the checks report their own errors
+        pass
 
 
 def _second_looks(checks: list[Check], candidate, reference: Pinned, found: Found,
