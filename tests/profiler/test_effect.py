@@ -119,6 +119,32 @@ def test_tripled_weight_gradient_names_the_leaf_and_how_far_it_moved(mlp_run):
     assert others and all(o.model == "masked" for o in others)
 
 
+def test_one_percent_weight_gradient_under_sgd_moves_past_the_rounding_pseudo_error(mlp_run):
+    if mlp_run[0] != "sgd":
+        pytest.skip("under Adam a leaf's gradient scaled by a constant is normalised away")
+    _, hit = _cell(mlp_run, {"dot_general": _at_w2_grad("x1.01_dW", lambda o: 1.01 * o)},
+                   "x1.01")
+    e = hit[0].effect
+    # within FIT_TOLERANCE of 1 the factor is not named: the step is perturbed, by 1%
+    assert (e.model, e.passed, e.moved) == ("perturbed", False, ("params/w2",)), e.summary
+    assert e.update_change == pytest.approx(0.01, rel=0.05)
+    assert e.pseudo_samples >= 1 and e.change > 100 * e.pseudo_spread > 0
+    assert "the rounding pseudo-error's spread" in e.summary
+
+
+def test_a_pseudo_error_moves_cancelled_elements_at_their_rows_scale_and_keeps_zeros():
+    from peat_jax._src.profiler.effect import pseudo_error
+    x = jnp.array([[1000.0, -1e-3, 0.0, 500.0], [2.0, 2.0, 2.0, 2.0]], jnp.float32)
+    rho = 1e-3
+    moved = [np.asarray(pseudo_error(x, np.uint32(s), rho)) - np.asarray(x) for s in range(8)]
+    spread = np.max(np.abs(moved), axis=0)
+    rms0 = float(np.sqrt(np.mean(np.asarray(x[0]) ** 2)))
+    assert spread[0, 1] > 0.1 * rho * rms0          # the cancelled element, at the row's scale
+    assert np.all(spread <= rho * np.maximum(np.abs(np.asarray(x)), [[rms0], [2.0]]) * 1.0001)
+    assert spread[0, 2] == 0.0                       # an exact zero stays exact
+    assert np.all(spread[1] <= rho * 2.0 * 1.0001)   # a row of equal values: relative to them
+
+
 def test_sign_flipped_weight_gradient(mlp_run):
     optimizer = mlp_run[0]
     _, hit = _cell(mlp_run, {"dot_general": _at_w2_grad("neg_dW", jnp.negative)}, "neg")

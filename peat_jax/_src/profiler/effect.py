@@ -18,11 +18,13 @@ changes the step: Adam's normalisation turns a 1-ULP change of a near-zero gradi
 full-sized change of its update. What such a kernel may do to the step is measured, not
 assumed: the golden step is replayed (on the cell's own compiled executable, the sample number
 traced) with the site's reference output perturbed within its rounding floor, every float
-element ``x`` of every output made ``x + x * rho * d``: ``d`` uniform in [-1, 1) from a
-counter-based hash of the element's index and a seed per sample, site and output
+element ``x`` of every output made ``x + m * rho * d`` (`pseudo_error`): ``d`` uniform in
+[-1, 1) from a counter-based hash of the element's index and a seed per sample, site and output
 (`pseudo_seed`; a few integer operations per element, fused into the step, where a random
-key's generator would double the replay's compilation time), and ``rho =
-pseudo_error_size(site)`` = 2 u sqrt(K), ``u`` the unit roundoff of the output's dtype (so 2 u
+key's generator would double the replay's compilation time), ``m`` the larger of ``|x|`` and
+the rms of its row (a sum rounds at the scale of what it summed; an exact zero stays exact),
+and ``rho = pseudo_error_size(site)`` = 2 u sqrt(K), ``u`` the unit roundoff of the output's
+dtype (so 2 u
 is one ULP at 1: a transcendental within an ULP) and ``K`` the length the op reduces (a
 matmul's contraction, a reduction's extent, a convolution's window; a region's last input
 axis; 1 for an element-wise op), since a reordered sum's rounding grows as sqrt(K) u (the
@@ -307,11 +309,13 @@ def pseudo_seed(sample, site_index, output=0) -> jax.Array:
 
 
 def pseudo_error(x: jax.Array, seed, rho: float) -> jax.Array:
-    """`x` with each element moved within its rounding floor: ``x + x * rho * d``, ``d``
+    """`x` with each element moved within its rounding floor: ``x + m * rho * d``, ``d``
     uniform in [-1, 1) (on a grid of 2^-23) from the hash of the element's flat index and the
-    uint32 `seed` (`pseudo_seed`); computed in at least float32 and rounded back to `x`'s
-    dtype; a non-finite element (``inf + inf * d`` would be NaN for d < 0) and a non-float
-    `x` are left as they are. Jittable; a few integer operations per element."""
+    uint32 `seed` (`pseudo_seed`), and ``m`` the larger of ``|x|`` and the rms of its row (the
+    last axis): the scale a reordered sum rounds at, so an element that cancelled to near
+    zero moves like its row's others. Computed in at least float32 and rounded back to `x`'s
+    dtype; an exact zero, a non-finite element and a non-float `x` are left as they are.
+    Jittable; a few integer operations per element and one reduction per row."""
     if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
         return x
     ft = jnp.promote_types(x.dtype, jnp.float32)
@@ -319,7 +323,15 @@ def pseudo_error(x: jax.Array, seed, rho: float) -> jax.Array:
     h = _mix(i * jnp.uint32(0x9E3779B1) ^ jnp.asarray(seed).astype(jnp.uint32))
     d = (h >> 8).astype(ft) * jnp.asarray(2.0 ** -23, ft) - jnp.asarray(1.0, ft)
     xf = x.astype(ft)
-    return jnp.where(jnp.isfinite(xf), xf + xf * (jnp.asarray(rho, ft) * d), xf).astype(x.dtype)
+    finite = jnp.isfinite(xf)
+    magnitude = jnp.abs(jnp.where(finite, xf, 0))
+    # a reordered sum rounds at the scale of what it summed: an element that cancelled to
+    # near zero moves like its row's typical element (the rms along the last axis), not
+    # relative to its own small value; an exact zero (nothing summed) stays exact
+    row = jnp.sqrt(jnp.mean(magnitude * magnitude, axis=-1, keepdims=True)) if x.ndim \
+        else magnitude
+    scale = jnp.where(xf == 0, 0, jnp.maximum(magnitude, row))
+    return jnp.where(finite, xf + scale * (jnp.asarray(rho, ft) * d), xf).astype(x.dtype)
 
 
 def _noise(eps: Mapping[str, float], spreads: Mapping[str, float],
