@@ -37,7 +37,7 @@ RUNNING = ".running"
 
 def substitution_digest(substitution: Substitution) -> str:
     """Hex SHA-1 of the selectors, candidate names and fault parameters (two faults of one
-    kind with other parameters, e.g. scale(2.0) and scale(1.0), differ)."""
+    kind with other parameters, e.g. wrong_scale(2.0) and wrong_scale(1.0), differ)."""
     return hashlib.sha1(repr(sorted((repr(k), getattr(c, "name", "?"),
                                      repr(getattr(c, "params", "")))
                                     for k, c in substitution.items())).encode()).hexdigest()
