@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import logging
 import warnings
 from typing import Any, Iterator, Optional, Sequence
@@ -339,6 +340,21 @@ def ffi_platform() -> str:
 
 # --------------------------------------------------------------------------------------------
 # Pallas
+
+def load_pallas_config_states() -> None:
+    """Imports the Pallas modules that register jax config states in the trace context, so that
+    they exist before the first program is traced. jax 0.11 registers
+    ``pallas_fuser_disable_nested_fuse`` (``include_in_trace_context``) when
+    ``jax._src.pallas.fuser`` is first imported, which happens lazily while a Pallas kernel is
+    traced in interpret mode: every program traced before that import then has one trace-context
+    value fewer than the same program traced after it, and compiles a second time (a playback
+    campaign's replay compiled twice). Releases without the module have nothing to load."""
+    for name in ("jax.experimental.pallas.fuser", "jax.experimental.pallas.tpu"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
 
 def pallas_interpreter():
     """The module of Pallas' checked (TPU-style) interpreter, which holds its race state."""

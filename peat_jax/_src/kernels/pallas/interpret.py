@@ -229,6 +229,10 @@ def call(body: Callable, *, out_shape: Any, grid: Sequence[int], in_specs: Any, 
 
 _interp_module = _jax.pallas_interpreter
 
+# before any program is traced: a config state registered by a lazy import mid-run would make
+# programs traced before it and after it two cache entries (a replay compiled twice)
+_jax.load_pallas_config_states()
+
 
 def races_found() -> bool:
     """True when the last kernel run by the checked interpreter had a data race."""
