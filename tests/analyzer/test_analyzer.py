@@ -277,6 +277,8 @@ def test_compile_ahead_builds_what_analyze_runs_for_those_shapes():
     assert later.names == []
     assert A.compile_ahead([jax.ShapeDtypeStruct((2,), jnp.int32)], reference64=True,
                            conditioning=True) == 0   # nothing to analyse as floats
+    assert A.compile_ahead([jax.ShapeDtypeStruct((64, 64), jnp.float32)], reference64=False,
+                           conditioning=False, max_elements=4095) == 0   # over the cap
 
 
 def _fields(d, path=""):

@@ -89,7 +89,7 @@ def analyze(candidate, golden, reference64=None, *, reduction_length: Optional[i
 
 
 def compile_ahead(outputs, *, reference64: bool, conditioning: bool,
-                  noise_factor: float = DEFAULT_NOISE_FACTOR) -> int:
+                  noise_factor: float = DEFAULT_NOISE_FACTOR, max_elements: int = 1 << 20) -> int:
     """Builds the statistics programs that `analyze` will run on leaves shaped like `outputs`
     (a pytree of arrays or `jax.ShapeDtypeStruct`s), by analysing zeros of each distinct shape
     once (small leaves share a bucket's program: one analysis serves them all). A caller that
@@ -102,6 +102,9 @@ def compile_ahead(outputs, *, reference64: bool, conditioning: bool,
       reference64, conditioning: whether those analyses will have a float64 reference and,
         with it, a conditioning spread (each changes the programs).
       noise_factor: as `analyze`'s.
+      max_elements: larger leaves are left out (their zeros, float64 ones included, would
+        take memory of their own: 20 bytes an element with a reference and a conditioning
+        spread).
 
     Returns:
       The number of analyses run (distinct programs asked for).
@@ -109,7 +112,7 @@ def compile_ahead(outputs, *, reference64: bool, conditioning: bool,
     seen = set()
     for x in jax.tree.leaves(outputs):
         shape, dtype = tuple(np.shape(x)), jnp.result_type(x)
-        if not jnp.issubdtype(dtype, jnp.floating) or not math.prod(shape):
+        if not jnp.issubdtype(dtype, jnp.floating) or not 0 < math.prod(shape) <= max_elements:
             continue
         bucket = bucket_of(shape, dtype, DEFAULT_SAMPLE_SIZE)
         key = ((bucket.padded_rows, bucket.padded_cols) if bucket else shape, dtype)
