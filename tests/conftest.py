@@ -14,14 +14,17 @@ import pytest
 
 @pytest.fixture(autouse=True, scope="session")
 def _shared_compilation_cache(tmp_path_factory):
-    """jax's persistent compilation cache, shared by the xdist workers of one run (the parent of
-    each worker's base temporary directory; $PEAT_TEST_CACHE_DIR instead, "off" for none). Most
+    """jax's persistent compilation cache of one test run, shared by its xdist workers (beside
+    their base temporary directories, in the run's own; $PEAT_TEST_CACHE_DIR instead, "off"
+    for none; pytest keeps the last three runs' directories). Most
     of the suite's time is XLA compiling, and the same programs (the analyzer's per-shape
     programs, the bundled workloads' steps) are compiled again in each test module after
     `_fresh_jax_caches` drops the in-memory executables: from disk they load in milliseconds. A
     user's own `jax_compilation_cache_dir` is left as it is."""
-    path = os.environ.get("PEAT_TEST_CACHE_DIR") or str(
-        tmp_path_factory.getbasetemp().parent / "xla-cache")
+    run_dir = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):   # a worker's gw<i> directory: its run's is above
+        run_dir = run_dir.parent
+    path = os.environ.get("PEAT_TEST_CACHE_DIR") or str(run_dir / "xla-cache")
     if path == "off" or jax.config.jax_compilation_cache_dir:
         yield
         return

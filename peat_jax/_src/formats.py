@@ -143,6 +143,8 @@ def _format_named(name: str) -> FloatFormat:
 def _dtype_of(x):
     """The dtype `x` names or carries: a dtype or scalar type, anything with a ``dtype`` (an
     array, an abstract value), or a Python number (NumPy's type for it)."""
+    if isinstance(x, type):     # a scalar type: np.float32 has a `dtype` of its own, unbound
+        return x
     if hasattr(x, "dtype"):
         return x.dtype
     if isinstance(x, (bool, int, float, complex)):

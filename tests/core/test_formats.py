@@ -57,3 +57,17 @@ def test_bits_round_trip_and_ulp_helpers():
         r = jnp.asarray([1.0, 1e-40, 3.0], jnp.float64)
         got = np.asarray(ulp_of_value(r, f))
     np.testing.assert_array_equal(got, [2.0 ** -23, 2.0 ** -149, 2.0 ** -22])
+
+
+@pytest.mark.parametrize("x, floating, inexact", [
+    (np.float32, True, True), ("bfloat16", True, True), (jnp.bfloat16, True, True),
+    (ml_dtypes.float8_e4m3fn, True, True), (np.dtype("float64"), True, True),
+    (np.complex64, False, True), (np.int32, False, False), (np.bool_, False, False),
+    (jax.dtypes.float0, False, False), (None, False, False), ("no such type", False, False),
+    (1.5, True, True), (3, False, False),
+    (np.zeros((2, 3), np.float16), True, True), (jnp.zeros(2, jnp.int8), False, False),
+    (jax.ShapeDtypeStruct((4,), jnp.bfloat16), True, True),
+])
+def test_is_floating_and_is_inexact_by_dtype_array_and_value(x, floating, inexact):
+    from peat_jax._src.formats import is_floating, is_inexact
+    assert is_floating(x) is floating and is_inexact(x) is inexact

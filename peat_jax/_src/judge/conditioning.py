@@ -6,19 +6,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from peat_jax._src.formats import float_format
+from peat_jax._src.formats import float_format, is_floating
 
 
 def is_float_leaf(x) -> bool:
     """`x` is an array (or array-like with a shape) of a float dtype, bfloat16 included."""
-    try:
-        return jnp.issubdtype(jnp.result_type(x), jnp.floating) and np.ndim(x) >= 0 and \
-            hasattr(x, "shape")
-    except TypeError:
-        return False
+    return hasattr(x, "shape") and is_floating(x)
 
 
 CONDITIONING_PERTURBATIONS = 3

@@ -12,27 +12,26 @@ its new params, or its new state where there is no ``params`` entry), leaf by le
     leaf's spread under a rounding pseudo-error at the same site (below);
   * a leaf *moved* when its change exceeds its noise; ``noise_ratio`` is change / noise.
 
-The rounding pseudo-error. On a deterministic backend the golden's own noise is 0, yet a
-correct kernel computed another way (another summation order, FMA, a 1-ULP transcendental)
-changes the step: Adam's normalisation turns a 1-ULP change of a near-zero gradient into a
-full-sized change of its update. What such a kernel may do to the step is measured, not
-assumed: the golden step is replayed (on the cell's own compiled executable, the sample number
-traced) with the site's reference output perturbed within its rounding floor, every float
-element ``x`` of every output made ``x + m * rho * d`` (`pseudo_error`): ``d`` uniform in
-[-1, 1) from a counter-based hash of the element's index and a seed per sample, site and output
-(`pseudo_seed`; a few integer operations per element, fused into the step, where a random
-key's generator would double the replay's compilation time), ``m`` the larger of ``|x|`` and
-the rms of its row (a sum rounds at the scale of what it summed; an exact zero stays exact),
-and ``rho = pseudo_error_size(site)`` = 2 u sqrt(K), ``u`` the unit roundoff of the output's
-dtype (so 2 u
-is one ULP at 1: a transcendental within an ULP) and ``K`` the length the op reduces (a
-matmul's contraction, a reduction's extent, a convolution's window; a region's last input
-axis; 1 for an element-wise op), since a reordered sum's rounding grows as sqrt(K) u (the
-probabilistic bound). A leaf's *spread* is its largest change (the measure above) over
-`PSEUDO_SAMPLES` such replays; the candidate's step is judged against `PSEUDO_FACTOR` times
-it. Samples run only for a cell whose step moved beyond the other noise, and stop as soon as
-the candidate's step is within the noise of the samples run so far (more samples only widen
-the spread, so the verdict is that of all of them).
+The rounding pseudo-error. On a deterministic backend the golden's own noise is 0, yet a correct
+kernel computed another way (another summation order, FMA, a 1-ULP transcendental) changes the
+step: Adam's normalisation turns a 1-ULP change of a near-zero gradient into a full-sized change
+of its update. What such a kernel may do to the step is measured, not assumed: the golden step
+is replayed (on the cell's own compiled executable, the sample number traced) with the site's
+reference output perturbed within its rounding floor, every float element ``x`` of every output
+made ``x + m * rho * d`` (`pseudo_error`): ``d`` uniform in [-1, 1) from a counter-based hash of
+the element's index and a seed per sample, site and output (`pseudo_seed`; a few integer
+operations per element, fused into the step, where a random key's generator would double the
+replay's compilation time), ``m`` the larger of ``|x|`` and the rms of its row (a sum rounds at
+the scale of what it summed; an exact zero stays exact), and ``rho = pseudo_error_size(site)`` =
+2 u sqrt(K), ``u`` the unit roundoff of the output's dtype (so 2 u is one ULP at 1: a
+transcendental within an ULP) and ``K`` the length the op reduces (a matmul's contraction, a
+reduction's extent, a convolution's window; a region's last input axis; 1 for an element-wise
+op), since a reordered sum's rounding grows as sqrt(K) u (the probabilistic bound). A leaf's
+*spread* is its largest change (the measure above) over `PSEUDO_SAMPLES` such replays; the
+candidate's step is judged against `PSEUDO_FACTOR` times it. Samples run only for a cell whose
+step moved beyond the other noise, and stop as soon as the candidate's step is within the noise
+of the samples run so far (more samples only widen the spread, so the verdict is that of all of
+them).
 
 For a state leaf the golden's update ``u = golden - before`` and the candidate's ``v = got -
 before`` give how much the step's update changed (``||got - golden|| / ||u||``) and the least
