@@ -28,12 +28,13 @@ and per equation from a fixed key:
 
 The samples come in two kinds. In the first `OPERAND_SCALE_SAMPLES` an addition or subtraction
 rounds at the scale of its operands, as above (another association order); in the others it
-rounds only at the scale of its result, ``y * (1 + u * d)`` (its own rounding in this order). Both
-are correct implementations, and they differ where a result feeds a steep function: ``s - max(s)``
-of a softmax over logits of 1e18 moved by ``u |s|`` ~ 1e11 overflows ``exp`` and makes the sample
-non-finite, while the reference's own order computes it exactly (0 for the row's maximum). A
-non-finite element of a sample excuses nothing (the spread is over the finite ones,
-`analyzer.noise.rounding_floor`), so there the other half's spread stands.
+rounds only at the scale of its result, ``y * (1 + u * d)`` (its own rounding in this order).
+An addition one of whose operands is a selection of the other (``s - max(s)``: a row's maximum is
+one of its own elements) rounds at its result's scale in both kinds: no order of operations mixes
+the maximum into the sums that made the row, and every implementation computes ``s - max(s)`` as
+0 at the maximum (moved by ``u |s|``, a softmax over logits of 1e18 would overflow ``exp`` in
+every sample of the first kind). A non-finite element of a sample excuses nothing (the spread is
+over the finite ones, `analyzer.noise.rounding_floor`).
 
 Another algorithm need not share roundings that the reference's program shares. Each sample
 follows every value's accumulated rounding (its size, to first order, in quadrature) through
@@ -46,7 +47,8 @@ data movement, the linear operations and ``exp`` (where the exponent's rounding 
   apart; a softmax's ``e / sum(e)`` cancels at a row's dominant element the rounding e shares
   with its sum, where ``exp(s - lse)`` from a saved log-sum-exp does not;
 * unless one operand is a selection of the other (`_SELECTING`: a row's maximum is one of its
-  elements, so ``s - max(s)`` is 0 at the maximum in every implementation);
+  elements, so ``s - max(s)`` is 0 at the maximum in every implementation): such an addition
+  rounds at its result's scale only;
 * an operand that is a broadcast rounds once per element of what was broadcast (a row's ``m +
   log l`` is one rounding shared by the row), not once per element of the result.
 
@@ -260,15 +262,16 @@ class _Perturb:
             # another order rounds each operand's part at its own scale; another algorithm
             # need not share the operands' accumulated rounding, which the reference's order
             # may cancel (D = rowsum(dO * O) against the reference's sum of dP * P), unless one
-            # operand is a selection of the other (s - max(s))
+            # operand is a selection of the other (s - max(s)), which rounds at its result's scale
+            # only: no order mixes a row's maximum into the sums that made the row
             independent = not any(_var_key(v) in self.selected for v in eqn.invars)
             parts = jnp.zeros_like(y)
             for v, x in zip(eqn.invars, invals):
-                if not is_floating(x):
+                if not (independent and is_floating(x)):
                     continue
                 scale = self.operand_scale * u * depth * jnp.abs(x)
                 carried = self._rounding_of(v)
-                if carried is not None and independent:
+                if carried is not None:
                     scale = scale + carried
                 parts = parts + scale * self._operand_uniform(v, np.shape(x))
             shift = u * depth * jnp.abs(y) * self._uniform(y.shape) + parts
