@@ -11,7 +11,7 @@ import pytest
 
 import peat_jax as peat
 from peat_jax._src import taxonomy
-from peat_jax._src.profiler.effect import Effect
+from peat_jax._src.profiler.effect import Effect, pseudo_error
 from peat_jax._src.profiler.golden import profile
 from peat_jax._src.profiler.playback import playback
 
@@ -133,7 +133,6 @@ def test_one_percent_weight_gradient_under_sgd_moves_past_the_rounding_pseudo_er
 
 
 def test_a_pseudo_error_moves_cancelled_elements_at_their_rows_scale_and_keeps_zeros():
-    from peat_jax._src.profiler.effect import pseudo_error
     x = jnp.array([[1000.0, -1e-3, 0.0, 500.0], [2.0, 2.0, 2.0, 2.0]], jnp.float32)
     rho = 1e-3
     moved = [np.asarray(pseudo_error(x, np.uint32(s), rho)) - np.asarray(x) for s in range(8)]
@@ -143,6 +142,23 @@ def test_a_pseudo_error_moves_cancelled_elements_at_their_rows_scale_and_keeps_z
     assert np.all(spread <= rho * np.maximum(np.abs(np.asarray(x)), [[rms0], [2.0]]) * 1.0001)
     assert spread[0, 2] == 0.0                       # an exact zero stays exact
     assert np.all(spread[1] <= rho * 2.0 * 1.0001)   # a row of equal values: relative to them
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_pseudo_error_of_a_row_past_the_squares_range_is_finite_and_rounding_sized(dtype):
+    # squares of 1e20 overflow float32; 1e-25 squared is below its smallest normal
+    x = jnp.array([[1e20, 1.0, -3e19, 0.0], [1e-25, -2e-25, 1e-30, 3e-25]], dtype)
+    rho = 1e-2
+    xs = np.asarray(x, np.float64)
+    rms = np.sqrt(np.mean(xs ** 2, axis=1, keepdims=True))
+    for seed in range(4):
+        got = np.asarray(pseudo_error(x, np.uint32(seed), rho), np.float64)
+        assert np.isfinite(got).all()
+        moved = np.abs(got - xs)
+        ulp = np.abs(xs) * float(jnp.finfo(dtype).eps)        # the cast back to `dtype`
+        assert np.all(moved <= rho * np.maximum(np.abs(xs), rms) * 1.001 + ulp)
+        assert moved[0, 3] == 0.0                              # an exact zero stays exact
+    assert np.abs(got[0, 1] - 1.0) > 1e15                     # moved at its row's scale
 
 
 def test_sign_flipped_weight_gradient(mlp_run):

@@ -327,10 +327,19 @@ def pseudo_error(x: jax.Array, seed, rho: float) -> jax.Array:
     # a reordered sum rounds at the scale of what it summed: an element that cancelled to
     # near zero moves like its row's typical element (the rms along the last axis), not
     # relative to its own small value; an exact zero (nothing summed) stays exact
-    row = jnp.sqrt(jnp.mean(magnitude * magnitude, axis=-1, keepdims=True)) if x.ndim \
-        else magnitude
+    row = _row_rms(magnitude) if x.ndim else magnitude
     scale = jnp.where(xf == 0, 0, jnp.maximum(magnitude, row))
     return jnp.where(finite, xf + scale * (jnp.asarray(rho, ft) * d), xf).astype(x.dtype)
+
+
+
+def _row_rms(magnitude: jax.Array) -> jax.Array:
+    """The rms of the finite, non-negative `magnitude` along its last axis (kept), as the row's
+    largest element times the rms of the row over it: no square overflows (a row holding
+    1e20 has a finite rms in float32) or vanishes below the smallest normal."""
+    top = jnp.max(magnitude, axis=-1, keepdims=True)
+    unit = magnitude / jnp.where(top > 0, top, 1)
+    return top * jnp.sqrt(jnp.mean(unit * unit, axis=-1, keepdims=True))
 
 
 def _noise(eps: Mapping[str, float], spreads: Mapping[str, float],
