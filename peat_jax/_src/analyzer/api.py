@@ -213,8 +213,10 @@ def _leaf_stats(device, options: Options, c, g, r, k, extent=None):
         return to_host(leaf_stats(c, g, None, options, extent=extent))
     with jax.enable_x64(True):
         r64 = jax.device_put(jnp.asarray(r, jnp.float64), device)
+        # the spread's magnitude is taken in the compiled program: eager jnp ops here would
+        # compile programs of their own on a cold start
         k64 = None if k is None else jax.device_put(
-            jnp.nan_to_num(jnp.abs(jnp.asarray(k, jnp.float64)), nan=0.0, posinf=0.0), device)
+            k if isinstance(k, jax.Array) else np.asarray(k, np.float64), device)
         return to_host(leaf_stats(c, g, r64, options, k64, extent))
 
 

@@ -163,10 +163,11 @@ def sample_program(sample: Gathered, s: Scales, noise_free, options: Options) ->
 
 def leaf_stats(c, g, r, options: Options, k=None, extent=None) -> LeafStats:
     """The statistics of candidate `c` against golden `g` (same shape and float dtype), with the
-    float64 reference `r` or None and, with `r`, the conditioning spread `k` (float64, output
-    units, `g`'s shape) or None: `shape_program`, then `sample_program` on its sample (both
-    dispatched without waiting; a new shape compiles only the first). `extent`: see
-    `shape_program` (the operands then are a bucket's padded arrays).
+    float64 reference `r` or None and, with `r`, the conditioning spread `k` (output units,
+    `g`'s shape; its magnitude counts, a non-finite element as 0) or None: `shape_program`,
+    then `sample_program` on its sample (both dispatched without waiting; a new shape compiles
+    only the first). `extent`: see `shape_program` (the operands then are a bucket's padded
+    arrays).
 
     Returns:
       A `LeafStats` of device scalars and small vectors (see `contract`); for a bucket, in the

@@ -180,8 +180,9 @@ def leaf_scales(c, g, r, idx, options: Options, f: FloatFormat, k=None,
     U90 = lax.bitcast_convert_type(key[ranks(n_ok, (0.9,), us.shape[0])[0]], jnp.float32)
     U90 = jnp.where(n_ok > 0, U90, 0.0).astype(jnp.float64)
     K = None
-    if k is not None:
-        K = jnp.where(jnp.isfinite(rf), k.reshape(R, C).astype(jnp.float64), 0.0)
+    if k is not None:   # a spread's magnitude; where it or the reference is not finite, none
+        k64 = k.reshape(R, C).astype(jnp.float64)
+        K = jnp.where(jnp.isfinite(rf) & jnp.isfinite(k64), jnp.abs(k64), 0.0)
     return Scales(rms=rms, abs_floor=options.noise_factor * E, E=E, U=U, E_row=E_row,
                   E_col=E_col, U90=U90, K=K, rows=rows, cols=cols)
 
