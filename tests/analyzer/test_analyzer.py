@@ -62,6 +62,37 @@ def test_identical_arrays_are_exact():
     assert s.noise.kind == "dtype_bound"
 
 
+@pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
+def test_a_finite_candidate_where_the_reference_is_nan_in_float64_too_is_unjudged(dtype):
+    """Where the golden is NaN, a finite candidate is judged by the float64 reference; where
+    that is NaN too (the reference's algorithm is undefined: inf / inf, inf - inf), nothing
+    judges it: unjudged, not significant. A float64 overflow to inf still judges."""
+    dt = np.dtype(dtype)
+    g64 = _normal(0).astype(np.float64)
+    g = g64.astype(dt)
+    c = g.copy()
+    r = g.astype(np.float64)
+    cases = {0: (np.nan, np.nan, 0.0),      # golden, float64 reference, candidate: unjudged
+             1: (np.nan, np.nan, -3.0),     # unjudged
+             2: (np.nan, 2.5, 2.5),         # the golden's own overflow: judged, within floor
+             3: (np.nan, np.inf, 7.0),      # the float64 result overflows: judged, significant
+             4: (np.nan, 1.0, 9.0)}         # judged, significant
+    for i, (gi, ri, ci) in cases.items():
+        g.flat[i], r.flat[i], c.flat[i] = gi, ri, ci
+    sig = analyze(c, g, r)
+    assert sig.counts.lost_nonfinite == 5
+    assert sig.counts.unjudged == 2
+    assert sig.counts.significant == 2
+    d = detect(sig)
+    assert not d.passed and d.evidence["unjudged"] == 2
+    r.flat[3], c.flat[4] = 7.0, 1.0        # the judged elements right: it passes
+    sig = analyze(c, g, r)
+    assert (sig.counts.unjudged, sig.counts.significant) == (2, 0)
+    d = detect(sig)
+    assert d.passed and d.evidence["unjudged"] == 2
+    assert analyze(c, g).counts.significant == 5     # without a reference every one counts
+
+
 def test_ulp_distance_is_exact_across_zero_and_subnormals():
     # golden, candidate, expected ULP distance (integer line: -x maps to -bits(x)).
     g = _f32([0.0, TINY32, TINY32, 1.0, -TINY32, 0.0, np.finfo(np.float32).max, 1.0])

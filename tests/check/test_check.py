@@ -180,6 +180,26 @@ def test_not_fooled_by_near_zero_outputs_or_zeros():
     assert d.passed, d.summary
 
 
+def _naive_silu(x):
+    """SiLU as a user writes its reference: its gradient is inf / inf = NaN, in float64 too,
+    where exp(-x) overflows (x below about -710)."""
+    return x / (1 + jnp.exp(-x))
+
+
+def test_a_stable_kernel_passes_where_its_naive_reference_is_nan_in_float64_too():
+    """jax.nn.silu (x * sigmoid(x)) against x / (1 + exp(-x)): on the large inputs the
+    reference's gradient is NaN where the kernel's is 0 (the true value is ~1e-40000): those
+    elements are unjudged and named, and a kernel wrong where the reference is finite fails."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 24)), jnp.float32)
+    d = check_kernel(jax.nn.silu, _naive_silu, x, variants=("example", "large"))
+    assert d.passed, d.summary
+    assert d.evidence["unjudged"].get("grad[0] on large", 0) > 0, d.evidence
+    assert "not judged" in d.summary
+    wrong = lambda v: jax.nn.silu(v) * (1 + 1e-3 * (v > 0))   # noqa: E731
+    d = check_kernel(wrong, _naive_silu, x, variants=("example", "large"))
+    assert not d.passed, d.summary
+
+
 @pytest.mark.slow
 def test_variants_and_reruns_share_the_analyzers_compiled_programs():
     # shapes no other test uses: the output and the two gradients differ in shape

@@ -42,7 +42,8 @@ def _counts(stats: LeafStats, n: int) -> Counts:
         elements=n, mismatched=int(w.mismatched),
         nonfinite_candidate=int(w.nonfinite_candidate),
         nonfinite_golden=int(w.nonfinite_golden), new_nonfinite=int(w.new_nonfinite),
-        lost_nonfinite=int(w.lost_nonfinite), significant=int(w.significant),
+        lost_nonfinite=int(w.lost_nonfinite), unjudged=int(w.unjudged),
+        significant=int(w.significant),
         flushed=int(w.flushed), significant_not_flushed=int(w.significant_not_flushed),
         golden_flushed=int(w.golden_flushed), subnormal_golden=int(w.subnormal_golden))
 
@@ -251,7 +252,7 @@ def nonfloat_signature(path: str, shape, dtype: str, comparison: str, n_mis: int
     n = int(math.prod(shape))
     counts = Counts(
         elements=n, mismatched=n_mis, nonfinite_candidate=0, nonfinite_golden=0,
-        new_nonfinite=0, lost_nonfinite=0, significant=n_mis, flushed=0,
+        new_nonfinite=0, lost_nonfinite=0, unjudged=0, significant=n_mis, flushed=0,
         significant_not_flushed=n_mis, golden_flushed=0, subnormal_golden=0)
     errors = Errors(
         max_abs=0.0, max_ulp=0, max_floor_ratio=0.0, abs_quantiles={}, rel_quantiles={},

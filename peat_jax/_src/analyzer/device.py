@@ -29,14 +29,16 @@ from peat_jax._src.formats import FloatFormat
 
 
 def _rare_counts(c, g, r, s: Scales, options: Options, f: FloatFormat, eloc):
-    """(nonfinite c, nonfinite g, new nonfinite, lost nonfinite, flushed, significant flushed,
-    golden flushed, subnormal g) counts, in one reduction."""
+    """(nonfinite c, nonfinite g, new nonfinite, lost nonfinite, unjudged, flushed, significant
+    flushed, golden flushed, subnormal g) counts, in one reduction."""
     e = elements(c, g, r, s, options, f, eloc)
     dc, dg = e.dc, e.dg
+    lost = dg.nonfinite & ~dc.nonfinite
+    unjudged = jnp.zeros_like(lost) if r is None else lost & jnp.isnan(r.astype(jnp.float64))
     return vreduce(
-        [i32(dc.nonfinite), i32(dg.nonfinite), i32(dc.nonfinite & ~dg.nonfinite),
-         i32(dg.nonfinite & ~dc.nonfinite), i32(e.flushed), i32(e.significant & e.flushed),
-         i32(e.mismatched & dg.zero & dc.subnormal), i32(dg.subnormal)], ["sum"] * 8, (0, 1))
+        [i32(dc.nonfinite), i32(dg.nonfinite), i32(dc.nonfinite & ~dg.nonfinite), i32(lost),
+         i32(unjudged), i32(e.flushed), i32(e.significant & e.flushed),
+         i32(e.mismatched & dg.zero & dc.subnormal), i32(dg.subnormal)], ["sum"] * 9, (0, 1))
 
 
 def whole_leaf(c, g, r, s: Scales, options: Options, f: FloatFormat) -> tuple[WholeLeaf, jax.Array]:
@@ -66,15 +68,15 @@ def whole_leaf(c, g, r, s: Scales, options: Options, f: FloatFormat) -> tuple[Wh
     n_mis, n_sig, n_rare, max_abs, max_ratio, max_ulp = vreduce(per_row, kinds, (0,))
 
     def none(_):
-        return tuple(jnp.zeros((), jnp.int32) for _ in range(8))
+        return tuple(jnp.zeros((), jnp.int32) for _ in range(9))
 
-    nf_c, nf_g, new_nf, lost_nf, ftz, sig_ftz, gold_fl, sub_g = lax.cond(
+    nf_c, nf_g, new_nf, lost_nf, unjudged, ftz, sig_ftz, gold_fl, sub_g = lax.cond(
         n_rare > 0, lambda _: _rare_counts(c, g, r, s, options, f, eloc), none, None)
     padding = c.size - s.rows * s.cols    # a bucket's NaNs, equal in candidate and golden
     nf_c, nf_g = nf_c - padding, nf_g - padding
     return WholeLeaf(
         mismatched=n_mis, significant=n_sig, nonfinite_candidate=nf_c, nonfinite_golden=nf_g,
-        new_nonfinite=new_nf, lost_nonfinite=lost_nf, flushed=ftz,
+        new_nonfinite=new_nf, lost_nonfinite=lost_nf, unjudged=unjudged, flushed=ftz,
         significant_not_flushed=n_sig - sig_ftz, golden_flushed=gold_fl,
         subnormal_golden=sub_g, max_abs=max_abs, max_floor_ratio=max_ratio,
         max_ulp=max_ulp), per_row[1]

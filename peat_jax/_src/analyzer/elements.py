@@ -262,7 +262,10 @@ def elements(c, g, r, s: Scales, options: Options, f: FloatFormat,
     over = err > floor
     ratio = jnp.where(finite, err / floor, jnp.inf).astype(f.compute_dtype)
     golden_only_nf = dg.nonfinite & ~dc.nonfinite
-    gold_nf_sig = golden_only_nf if r is None else golden_only_nf & (over | ~jnp.isfinite(err))
+    # a finite candidate where the golden is not: judged by the float64 reference, except where
+    # that is NaN too (the reference's algorithm is undefined there: nothing to judge by)
+    gold_nf_sig = golden_only_nf if r is None else (
+        golden_only_nf & ~jnp.isnan(r.astype(jnp.float64)) & (over | ~jnp.isfinite(err)))
     significant = mismatched & ((finite & over) | dc.nonfinite | gold_nf_sig)
     q = jnp.clip(jnp.floor(floor / ulp), 0, 2.0 ** 30).astype(jnp.int32)
     return Elements(dc=dc, dg=dg, mismatched=mismatched, finite=finite, cv=cv, gv=gv,

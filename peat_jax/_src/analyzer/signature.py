@@ -46,7 +46,11 @@ class Counts:
       nonfinite_candidate / nonfinite_golden: NaN or +-inf in each.
       new_nonfinite: candidate non-finite where the golden is finite.
       lost_nonfinite: golden non-finite where the candidate is finite.
-      significant: mismatched beyond the noise floor, or a differing non-finite value.
+      unjudged: of those, the elements where the float64 reference is NaN too: the reference's
+        algorithm is undefined there, so nothing judges the candidate's value (never
+        significant; 0 without a float64 reference).
+      significant: mismatched beyond the noise floor, or a differing non-finite value (not an
+        unjudged one).
       flushed: golden subnormal and candidate +-0 (a flush to zero).
       significant_not_flushed: significant elements that are not flushes.
       golden_flushed: golden +-0 where the candidate is subnormal (the golden flushed).
@@ -59,6 +63,7 @@ class Counts:
     nonfinite_golden: int
     new_nonfinite: int
     lost_nonfinite: int
+    unjudged: int
     significant: int
     flushed: int
     significant_not_flushed: int

@@ -25,8 +25,9 @@ def verdict(checks: Sequence[Check], *, skipped: dict[str, str],
              no_rounding: Optional[dict[str, str]] = None) -> Diagnosis:
     """The worst check's diagnosis, its evidence extended with where it came from, every
     check's model, the skipped variants, the reference's matmul precision and its
-    nondeterminism, the variants without a float64 reference (and why) and how the float64
-    reference was had from a reference that pins a narrower dtype."""
+    nondeterminism, the elements no reference could judge (``unjudged``), the variants
+    without a float64 reference (and why) and how the float64 reference was had from a
+    reference that pins a narrower dtype."""
     worst = max(checks, key=_check_key)
     failing = [c for c in checks if not c.diagnosis.passed]
     passing = {c.variant for c in checks} - {c.variant for c in failing}
@@ -65,6 +66,13 @@ def verdict(checks: Sequence[Check], *, skipped: dict[str, str],
         ev["conditioned_checks"] = conditioned
         note += (f"; {len(conditioned)} passing checks are within the problem's conditioning "
                  "rather than the reference's own error")
+    unjudged = {f"{c.output} on {c.variant}": c.diagnosis.evidence["unjudged"] for c in checks
+                if c.diagnosis.evidence.get("unjudged")}
+    if unjudged:
+        ev["unjudged"] = unjudged
+        note += (f"; note: the reference is NaN, in float64 too, at {sum(unjudged.values())} "
+                 f"elements where the candidate is finite (in {len(unjudged)} checks): its "
+                 "algorithm is undefined there, so those elements are not judged")
     ev["origin"] = {"variant": worst.variant, "output": worst.output}
     ev["reference_precision"] = precision
     if d.model in ("reduced_precision", "low_precision_accumulation"):
