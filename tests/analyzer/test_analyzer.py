@@ -64,9 +64,9 @@ def test_identical_arrays_are_exact():
 
 @pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
 def test_a_finite_candidate_where_the_reference_is_nan_in_float64_too_is_unjudged(dtype):
-    """Where the golden is NaN, a finite candidate is judged by the float64 reference; where
-    that is NaN too (the reference's algorithm is undefined: inf / inf, inf - inf), nothing
-    judges it: unjudged, not significant. A float64 overflow to inf still judges."""
+    """Where the golden is not finite, a finite candidate is judged by the float64 reference;
+    where that is not finite either (a naive reference's inf / inf, or exp past float64's
+    range), nothing judges it: unjudged, not significant."""
     dt = np.dtype(dtype)
     g64 = _normal(0).astype(np.float64)
     g = g64.astype(dt)
@@ -75,22 +75,23 @@ def test_a_finite_candidate_where_the_reference_is_nan_in_float64_too_is_unjudge
     cases = {0: (np.nan, np.nan, 0.0),      # golden, float64 reference, candidate: unjudged
              1: (np.nan, np.nan, -3.0),     # unjudged
              2: (np.nan, 2.5, 2.5),         # the golden's own overflow: judged, within floor
-             3: (np.nan, np.inf, 7.0),      # the float64 result overflows: judged, significant
-             4: (np.nan, 1.0, 9.0)}         # judged, significant
+             3: (np.inf, np.inf, 7.0),      # unjudged: the float64 result overflows too
+             4: (np.nan, 1.0, 9.0),         # judged, significant
+             5: (-np.inf, 3.0, 8.0)}        # judged, significant
     for i, (gi, ri, ci) in cases.items():
         g.flat[i], r.flat[i], c.flat[i] = gi, ri, ci
     sig = analyze(c, g, r)
-    assert sig.counts.lost_nonfinite == 5
-    assert sig.counts.unjudged == 2
+    assert sig.counts.lost_nonfinite == 6
+    assert sig.counts.unjudged == 3
     assert sig.counts.significant == 2
     d = detect(sig)
-    assert not d.passed and d.evidence["unjudged"] == 2
-    r.flat[3], c.flat[4] = 7.0, 1.0        # the judged elements right: it passes
+    assert not d.passed and d.evidence["unjudged"] == 3
+    c.flat[4], c.flat[5] = 1.0, 3.0        # the judged elements right: it passes
     sig = analyze(c, g, r)
-    assert (sig.counts.unjudged, sig.counts.significant) == (2, 0)
+    assert (sig.counts.unjudged, sig.counts.significant) == (3, 0)
     d = detect(sig)
-    assert d.passed and d.evidence["unjudged"] == 2
-    assert analyze(c, g).counts.significant == 5     # without a reference every one counts
+    assert d.passed and d.evidence["unjudged"] == 3
+    assert analyze(c, g).counts.significant == 6     # without a reference every one counts
 
 
 def test_ulp_distance_is_exact_across_zero_and_subnormals():

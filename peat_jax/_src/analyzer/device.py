@@ -34,7 +34,7 @@ def _rare_counts(c, g, r, s: Scales, options: Options, f: FloatFormat, eloc):
     e = elements(c, g, r, s, options, f, eloc)
     dc, dg = e.dc, e.dg
     lost = dg.nonfinite & ~dc.nonfinite
-    unjudged = jnp.zeros_like(lost) if r is None else lost & jnp.isnan(r.astype(jnp.float64))
+    unjudged = jnp.zeros_like(lost) if r is None else lost & ~jnp.isfinite(r.astype(jnp.float64))
     return vreduce(
         [i32(dc.nonfinite), i32(dg.nonfinite), i32(dc.nonfinite & ~dg.nonfinite), i32(lost),
          i32(unjudged), i32(e.flushed), i32(e.significant & e.flushed),

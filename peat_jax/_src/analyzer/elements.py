@@ -263,9 +263,10 @@ def elements(c, g, r, s: Scales, options: Options, f: FloatFormat,
     ratio = jnp.where(finite, err / floor, jnp.inf).astype(f.compute_dtype)
     golden_only_nf = dg.nonfinite & ~dc.nonfinite
     # a finite candidate where the golden is not: judged by the float64 reference, except where
-    # that is NaN too (the reference's algorithm is undefined there: nothing to judge by)
+    # that is not finite either (a naive reference's exp(x) past float64's range, inf / inf):
+    # nothing judges it there
     gold_nf_sig = golden_only_nf if r is None else (
-        golden_only_nf & ~jnp.isnan(r.astype(jnp.float64)) & (over | ~jnp.isfinite(err)))
+        golden_only_nf & jnp.isfinite(r.astype(jnp.float64)) & (over | ~jnp.isfinite(err)))
     significant = mismatched & ((finite & over) | dc.nonfinite | gold_nf_sig)
     q = jnp.clip(jnp.floor(floor / ulp), 0, 2.0 ** 30).astype(jnp.int32)
     return Elements(dc=dc, dg=dg, mismatched=mismatched, finite=finite, cv=cv, gv=gv,

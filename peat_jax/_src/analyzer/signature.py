@@ -46,9 +46,9 @@ class Counts:
       nonfinite_candidate / nonfinite_golden: NaN or +-inf in each.
       new_nonfinite: candidate non-finite where the golden is finite.
       lost_nonfinite: golden non-finite where the candidate is finite.
-      unjudged: of those, the elements where the float64 reference is NaN too: the reference's
-        algorithm is undefined there, so nothing judges the candidate's value (never
-        significant; 0 without a float64 reference).
+      unjudged: of those, the elements where the float64 reference is not finite either (a
+        naive reference's exp past float64's range, inf / inf): nothing judges the candidate's
+        value there (never significant; 0 without a float64 reference).
       significant: mismatched beyond the noise floor, or a differing non-finite value (not an
         unjudged one).
       flushed: golden subnormal and candidate +-0 (a flush to zero).

@@ -70,9 +70,9 @@ def verdict(checks: Sequence[Check], *, skipped: dict[str, str],
                 if c.diagnosis.evidence.get("unjudged")}
     if unjudged:
         ev["unjudged"] = unjudged
-        note += (f"; note: the reference is NaN, in float64 too, at {sum(unjudged.values())} "
-                 f"elements where the candidate is finite (in {len(unjudged)} checks): its "
-                 "algorithm is undefined there, so those elements are not judged")
+        note += (f"; note: the reference is not finite, in float64 too, at "
+                 f"{sum(unjudged.values())} elements where the candidate is (in {len(unjudged)} "
+                 "checks): nothing judges those elements")
     ev["origin"] = {"variant": worst.variant, "output": worst.output}
     ev["reference_precision"] = precision
     if d.model in ("reduced_precision", "low_precision_accumulation"):

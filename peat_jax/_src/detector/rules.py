@@ -735,7 +735,7 @@ def _detect_leaf(s: Signature, allow: frozenset) -> Diagnosis:
         mc = None if s.noise is None else s.noise.rounding
         if mc is not None:
             ev["rounding_floor"] = dataclasses.asdict(mc)
-        if s.counts.unjudged:   # finite where the reference is NaN in float64 too: not judged
+        if s.counts.unjudged:   # finite where the reference is not, in float64 too: not judged
             ev["unjudged"] = s.counts.unjudged
         if s.path:
             ev["leaf"] = s.path
