@@ -11,8 +11,8 @@ import pytest
 from peat_jax._src import faults as F
 from peat_jax._src.analyzer import analyze
 from peat_jax._src.analyzer.noise import distribution_ok
-from peat_jax._src.detector import (CHECK_MODELS, MODELS, PASSING, RULES, Diagnosis, bitwise_equal,
-                                    detect)
+from peat_jax._src.detector import (CHECK_MODELS, MODELS, PASSING, RULES, Diagnosis,
+                                    Float64Evidence, bitwise_equal, by_float64, detect)
 from peat_jax._src.errors import PeatError
 
 SHAPE = (16, 32)
@@ -193,3 +193,29 @@ def test_every_diagnosis_is_well_formed():
 def test_bitwise_equal_is_what_detect_says_of_equal_outputs(comparison, shape, dtype):
     x = np.random.default_rng(0).standard_normal(shape).astype(dtype)
     assert bitwise_equal(x.size, comparison) == detect(analyze(x, x.copy(), comparison=comparison))
+
+
+def _failing(model: str, isolated: int = 0) -> Diagnosis:
+    ev = {"rule": model, "max_floor_ratio": 1.3}
+    if isolated:
+        ev["isolated"] = isolated
+    return Diagnosis(model, False, 0.5, ev, f"fails: {model}, ...")
+
+
+@pytest.mark.parametrize("model,isolated,error,error64,expected", [
+    ("bit_flip", 1, 2e-7, 1e-16, "numerical_noise"),       # a right algorithm's rounding
+    ("unknown", 3, 2e-7, 1e-16, "numerical_noise"),
+    ("unknown", 0, 2e-7, 1e-16, "unknown"),                # dense, or the distribution failed
+    ("tile_boundary", 2, 2e-7, 1e-16, "tile_boundary"),    # a structure, not rounding
+    ("bit_flip", 1, 2e-7, 1e-7, "bit_flip"),               # off in float64 too
+    ("bit_flip", 1, 2e-6, 1e-16, "unstable_algorithm"),    # > 8x the reference's own error
+])
+def test_float64_rules_pass_a_right_algorithm_a_few_elements_past_the_floor(
+        model, isolated, error, error64, expected):
+    f = Float64Evidence(dtype="float32", error=error, error64=error64, scale=0.25,
+                        reference_error=1.3e-7)
+    d = by_float64(_failing(model, isolated), f)
+    assert d.model == expected and d.passed == (expected in PASSING), d.summary
+    if expected == "numerical_noise":
+        assert d.evidence["rule"] == "another_algorithms_rounding"
+        assert d.evidence["would_be"] == model and d.summary.startswith("passes:")

@@ -1,12 +1,15 @@
 """The float64 rules: a failing verdict renamed by what the candidate computes when it runs in
 float64 too (`check_kernel` and playback supply the numbers, `judge.float64.float64_evidence`):
-``unstable_algorithm`` (exact in float64, amplified rounding in float32) and ``approximation``
-(wrong in float64 as well)."""
+``unstable_algorithm`` (exact in float64, amplified rounding in float32), ``approximation``
+(wrong in float64 as well) and, passing, ``numerical_noise`` by ``another_algorithms_rounding``
+(a few elements just past the floor of a right algorithm that rounds about as the reference
+does)."""
 from __future__ import annotations
 
 from typing import Callable, Iterable, NamedTuple, Optional
 
 from peat_jax._src.detector.machinery import Diagnosis, Match, plain, short
+from peat_jax._src.taxonomy import PASSING
 from peat_jax._src.formats import unit_roundoff
 
 
@@ -80,26 +83,66 @@ def _approximation(d: Diagnosis, f: Float64Evidence) -> Optional[Match]:
                            f"relative {short(f.error64 / f.scale if f.scale else 0.0)})")
 
 
-FLOAT64_RULES: tuple[tuple[str, Callable[[Diagnosis, Float64Evidence], Optional[Match]]], ...] \
-    = (("unstable_algorithm", _unstable_algorithm), ("approximation", _approximation))
-"""(model, condition) over a failing diagnosis and the candidate's float64 evaluation, in
+_ROUNDING_LIKE = frozenset({"bit_flip", "multi_bit_flip", "sign_flip", "zeroed", "random_value",
+                            "unknown"})
+"""The models the signature rules give a few elements that differ by value alone; the others
+name a structure (a tile, a layout, a scale, a stuck bit) or a format, which rounding is not."""
+
+
+def _another_algorithms_rounding(d: Diagnosis, f: Float64Evidence) -> Optional[Match]:
+    """The check fails on a few isolated elements (``evidence["isolated"]``: at most
+    `isolated_limit`, the distribution test holding) with a model of values alone
+    (`_ROUNDING_LIKE`); the candidate really computes in float64 (`in_float64`) and, so
+    evaluated, matches the float64 reference to within u * max|reference| (its algorithm
+    computes the right function); and in its dtype its max |error| is within `UNSTABLE_FACTOR`
+    times the larger of that bound and the reference's own max |error|, the line past which
+    `_unstable_algorithm` calls it unstable. A right algorithm that rounds about as much as
+    the reference, differently at a few elements: jax.nn.sigmoid's gradient s * (1 - s) loses
+    a few ULPs to cancellation where the reference's exp(-x) / (1 + exp(-x))^2 does not."""
+    if d.passed or d.model not in _ROUNDING_LIKE or not d.evidence.get("isolated"):
+        return None
+    bound = unit_roundoff(f.dtype) * f.scale
+    if not f.in_float64 or not (f.error64 <= bound and
+                                f.error <= UNSTABLE_FACTOR * max(bound, f.reference_error)):
+        return None
+    ev = {"error": f.error, "error_float64": f.error64, "reference_max": f.scale,
+          "reference_error": f.reference_error, "elements": d.evidence["isolated"],
+          "would_be": d.model}
+    n = d.evidence["isolated"]
+    return Match(ev, 0.7, f"{n} element{'s' if n > 1 else ''} just past the floor, but the "
+                           f"algorithm is right (run in float64 its max |error| is "
+                           f"{short(f.error64)}, below {f.dtype}'s roundoff at the output's "
+                           f"scale {short(bound)}) and in {f.dtype} its max |error| "
+                           f"{short(f.error)} is within {UNSTABLE_FACTOR:g}x the reference's own "
+                           f"{short(f.reference_error)}: another algorithm's rounding (the "
+                           f"rules alone said {d.model})")
+
+
+FLOAT64_RULES: tuple[tuple[str, str, Callable[[Diagnosis, Float64Evidence], Optional[Match]]],
+                     ...] = (
+    ("unstable_algorithm", "unstable_algorithm", _unstable_algorithm),
+    ("approximation", "approximation", _approximation),
+    ("another_algorithms_rounding", "numerical_noise", _another_algorithms_rounding))
+"""(rule, model, condition) over a failing diagnosis and the candidate's float64 evaluation, in
 order; `check_kernel` applies them (`by_float64`)."""
 
 
 def by_float64(d: Diagnosis, f: Float64Evidence, *, allow: Iterable[str] = ()) -> Diagnosis:
     """`d` renamed by the first of `FLOAT64_RULES` whose condition holds (``evidence["rule"]``
-    names it, ``evidence["would_be"]`` keeps the signature rules' model), else `d` itself."""
-    for model, test in FLOAT64_RULES:
+    names the rule, ``evidence["would_be"]`` keeps the signature rules' model; a passing model
+    passes), else `d` itself."""
+    for rule, model, test in FLOAT64_RULES:
         m = test(d, f)
         if m is None:
             continue
-        allowed = model in frozenset(allow)
-        kept = ("leaf", "max_floor_ratio", "conditioning_floor", "rounding_floor")
+        allowed = model in frozenset(allow) and model not in PASSING
+        passed = allowed or model in PASSING
+        kept = ("leaf", "max_floor_ratio", "conditioning_floor", "rounding_floor", "unjudged")
         ev = {**{k: v for k, v in d.evidence.items() if k in kept},
-              **m.evidence, "rule": model}
+              **m.evidence, "rule": rule}
         if allowed:
             ev["allowed"] = True
-        verdict = "passes" if allowed else "fails"
-        return Diagnosis(model, allowed, m.confidence, plain(ev),
+        verdict = "passes" if passed else "fails"
+        return Diagnosis(model, passed, m.confidence, plain(ev),
                          f"{verdict}: {model}{' (allowed)' if allowed else ''}, {m.detail}")
     return d

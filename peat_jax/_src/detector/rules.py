@@ -603,6 +603,13 @@ def _random_value(s: Signature) -> Optional[Match]:
                   f"{c.significant} of {c.elements} elements hold unrelated values{ex}")
 
 
+def _isolated(s: Signature) -> bool:
+    """At least one and at most `isolated_limit` significant elements, and no distribution test
+    failing: the failure is a few elements, not dense degradation."""
+    dist_failed = s.noise is not None and s.noise.distribution_ok is False
+    return 0 < s.counts.significant <= isolated_limit(s) and not dist_failed
+
+
 def _unknown(s: Signature) -> Optional[Match]:
     """Anything else (fails: no model fits)."""
     c = s.counts
@@ -668,7 +675,8 @@ def data_race() -> Diagnosis:
                  "or revisited output dimension marked 'parallel'?)"))
 
 
-CHECK_MODELS: tuple[str, ...] = tuple(m for m, _ in FLOAT64_RULES) + ("data_race",)
+CHECK_MODELS: tuple[str, ...] = tuple(m for _, m, _ in FLOAT64_RULES if m not in PASSING) + (
+    "data_race",)
 """The models only `check_kernel` names (from more than one signature: the candidate's float64
 run, the race detector); every other model has a rule in `RULES`."""
 
@@ -737,6 +745,8 @@ def _detect_leaf(s: Signature, allow: frozenset) -> Diagnosis:
             ev["rounding_floor"] = dataclasses.asdict(mc)
         if s.counts.unjudged:   # finite where the reference is not, in float64 too: not judged
             ev["unjudged"] = s.counts.unjudged
+        if _isolated(s):        # what the float64 rules may read as another algorithm's rounding
+            ev["isolated"] = s.counts.significant
         if s.path:
             ev["leaf"] = s.path
         if model in allow and model not in PASSING:
