@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from peat_jax._src.analyzer import RoundingFloor
+from peat_jax._src.judge.float64 import float64_evidence
 from peat_jax._src.judge.site import NoFloat64Candidate, SiteOp, judge_site
 from peat_jax._src.promote import traced_eqn, widened_eqn
 
@@ -70,3 +71,18 @@ def test_an_op_monte_carlo_cannot_evaluate_keeps_the_other_floors_and_says_why()
     _, d = judge_site(op, [x], reference * np.float32(1.01), reference, seed=0)
     assert not d.passed
     assert d.evidence["no_rounding_floor"].startswith("ValueError: no Monte Carlo here")
+
+
+def test_float64_evidence_leaves_out_what_no_reference_judges():
+    """Where the float64 reference is not finite, the candidate's errors are not measured (the
+    analyzer's unjudged elements); the reference's own error leaves out its overflow in its
+    dtype (inf there would make any error "within 8x" of it)."""
+    ref64 = np.array([np.nan, np.inf, 2.0, 1.0])
+    golden = np.array([np.nan, np.inf, np.inf, 1.0], np.float32)   # overflowed at element 2
+    candidate = np.array([0.0, 5.0, 2.0, 1.0 + 2 ** -20], np.float32)
+    f = float64_evidence(candidate, golden, ref64, np.array([0.0, 5.0, 2.0, 1.0]))
+    assert f.error == pytest.approx(2 ** -20) and f.error64 == 0.0
+    assert f.reference_error == 0.0 and f.scale == 2.0
+    f = float64_evidence(np.array([np.nan, 5.0, 2.0, 1.0], np.float32), golden, ref64,
+                         np.array([0.0, 5.0, 2.0, np.nan]))
+    assert f.error == 0.0 and f.error64 == float("inf")   # NaN where the reference is finite

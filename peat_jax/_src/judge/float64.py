@@ -13,15 +13,22 @@ def float64_evidence(candidate, reference, reference64, candidate64) -> Float64E
     """What `detector.by_float64` reads about one output (arrays or pytrees of one structure):
     the candidate's value, the reference's in the same dtype, the float64 reference's and the
     candidate's run on the same inputs in float64. Errors are max |differences| in output
-    units; the scale is max |float64 reference| over its finite elements."""
+    units over the elements where the float64 reference is finite (elsewhere nothing judges
+    them: the analyzer's unjudged elements); the reference's own error over those where it is
+    finite too (its overflow in its dtype would excuse anything). The scale is max |float64
+    reference| over its finite elements."""
     leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(reference64)]
     finite = [x[np.isfinite(x)] for x in leaves]
     scale = max((float(np.abs(x).max()) for x in finite if x.size), default=0.0)
     dtype = str(jnp.result_type(jax.tree.leaves(candidate)[0]))
-    return Float64Evidence(dtype=dtype, error=max_difference(candidate, reference64),
-                           error64=max_difference(candidate64, reference64), scale=scale,
-                           reference_error=max_difference(reference, reference64),
-                           in_float64=beyond_grid(candidate64, dtype))
+    judged = [np.isfinite(x) for x in leaves]
+    own = [m & np.isfinite(np.asarray(g, np.float64))
+           for m, g in zip(judged, jax.tree.leaves(reference))]
+    return Float64Evidence(
+        dtype=dtype, error=max_difference(candidate, reference64, judged),
+        error64=max_difference(candidate64, reference64, judged), scale=scale,
+        reference_error=max_difference(reference, reference64, own),
+        in_float64=beyond_grid(candidate64, dtype))
 
 
 def beyond_grid(tree, dtype: str) -> bool:
@@ -36,14 +43,18 @@ def beyond_grid(tree, dtype: str) -> bool:
     return False
 
 
-def max_difference(a, b) -> float:
+def max_difference(a, b, where=None) -> float:
     """max |a - b| over the float leaves of two pytrees (inf where the NaN patterns differ;
-    0.0 when they are bitwise equal)."""
+    0.0 when they are bitwise equal); `where`: one boolean mask per leaf, the elements compared
+    (None: all)."""
     worst = 0.0
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    masks = [None] * len(jax.tree.leaves(b)) if where is None else where
+    for x, y, m in zip(jax.tree.leaves(a), jax.tree.leaves(b), masks):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         if x.shape != y.shape:
             return float("inf")
+        if m is not None:
+            x, y = x[m], y[m]
         nan_x, nan_y = np.isnan(x), np.isnan(y)
         if np.any(nan_x != nan_y):
             return float("inf")
