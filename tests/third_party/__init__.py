@@ -3,9 +3,10 @@
 `tests/corpus` (kernels written here, by the hands that tuned the floors).
 
 Correct entries (`correct.py`) are implementations that users run in training (lucidrains'
-FlashAttention in JAX, jax's own shipped Pallas ops, optax's losses, Flax's and Equinox's layers,
-PyTorch's functional ops through `peat.kernels.torch_kernel`, lucidrains' rotary embeddings in
-PyTorch) and must pass on every seed. Bug entries (`bugs.py`) are the porting bugs people report
+FlashAttention in JAX, jax's own shipped Pallas ops, jax.nn's stable activations against the
+naive formulas users write as references, optax's losses, Flax's and Equinox's layers, PyTorch's
+functional ops through `peat.kernels.torch_kernel`, lucidrains' rotary embeddings in PyTorch)
+and must pass on every seed. Bug entries (`bugs.py`) are the porting bugs people report
 (torch's default layer-norm eps 1e-5 against Flax's 1e-6, interleaved against half-split rotary
 embeddings, a missing causal mask, tanh GELU for exact GELU, a loss averaged over padding tokens,
 a FlashAttention that turns large logits into NaN), each a third-party function called the way

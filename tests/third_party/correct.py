@@ -245,6 +245,10 @@ torch_rope_interleaved = peat.kernels.torch_kernel(_torch_rope_interleaved,
                                                    name="rotary_embedding_torch")
 
 _NO_LARGE = ("example", "tiny", "subnormal", "zeros", "outliers")
+
+
+def _activation_args(seed):
+    return (2 * normal(seed, 0, ROWS, N),)
 _TORCH = ("torch",)
 _FAJ = ("flash_attention_jax",)
 
@@ -264,6 +268,15 @@ ENTRIES: tuple[Entry, ...] = (
           _norm3, "passes", "jax's shipped Pallas layer_norm (ops.gpu), interpreted"),
     Entry("jax_pallas_rms_norm", "jax", "correct", jax_pallas_rms_norm, ref.rms_norm, _norm3,
           "passes", "jax's shipped Pallas rms_norm (ops.gpu), interpreted"),
+    Entry("jax_nn_sigmoid", "jax", "correct", jax.nn.sigmoid, ref.sigmoid_naive, _activation_args,
+          "passes", "jax.nn.sigmoid against 1 / (1 + exp(-x)): its gradient s * (1 - s) is a "
+          "few ULPs off at a few elements (cancellation), a right algorithm's rounding"),
+    Entry("jax_nn_silu", "jax", "correct", jax.nn.silu, ref.silu_naive, _activation_args,
+          "passes", "jax.nn.silu against x / (1 + exp(-x)), whose gradient is NaN (in float64 "
+          "too) on large inputs: unjudged there"),
+    Entry("jax_nn_softplus", "jax", "correct", jax.nn.softplus, ref.softplus_naive,
+          _activation_args, "passes", "jax.nn.softplus against log(1 + exp(x)), inf (in float64 "
+          "too) past x = 710: unjudged there"),
     Entry("optax_ce_integer_labels", "optax", "correct", optax_ce_integer,
           ref.cross_entropy_integer, _ce_integer_args, "passes",
           "optax.softmax_cross_entropy_with_integer_labels, mean: a fused cross-entropy"),

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 __all__ = ["attention_bhsd", "attention_bshd", "binary_cross_entropy", "cross_entropy_dense",
            "cross_entropy_integer", "gelu_exact", "gelu_tanh", "layer_norm",
            "masked_attention_bhsd", "masked_cross_entropy", "mha_self_attention", "rms_norm",
-           "rope_half_split", "rope_interleaved"]
+           "rope_half_split", "rope_interleaved", "sigmoid_naive", "silu_naive",
+           "softplus_naive"]
 
 
 def _softmax_attention(logits, v_einsum, v, mask=None):
@@ -145,3 +146,21 @@ def rope_interleaved(x):
     cos, sin = jnp.cos(ang), jnp.sin(ang)
     x1, x2 = x[:, 0::2], x[:, 1::2]
     return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(n, d)
+
+
+# The activations as users write their references: the formulas, not the stable forms. Each is
+# right where it is finite; past exp's range (|x| ~ 88 in float32, ~ 710 in float64) it is inf
+# or NaN where the stable forms of jax.nn are finite and right, and its gradient has no
+# cancellation where jax.nn.sigmoid's s * (1 - s) has.
+
+
+def sigmoid_naive(x):
+    return 1 / (1 + jnp.exp(-x))
+
+
+def silu_naive(x):
+    return x / (1 + jnp.exp(-x))
+
+
+def softplus_naive(x):
+    return jnp.log(1 + jnp.exp(x))
