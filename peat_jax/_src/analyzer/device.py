@@ -33,12 +33,11 @@ def _rare_counts(c, g, r, s: Scales, options: Options, f: FloatFormat, eloc):
     flushed, golden flushed, subnormal g) counts, in one reduction."""
     e = elements(c, g, r, s, options, f, eloc)
     dc, dg = e.dc, e.dg
-    lost = dg.nonfinite & ~dc.nonfinite
-    unjudged = jnp.zeros_like(lost) if r is None else lost & ~jnp.isfinite(r.astype(jnp.float64))
     return vreduce(
-        [i32(dc.nonfinite), i32(dg.nonfinite), i32(dc.nonfinite & ~dg.nonfinite), i32(lost),
-         i32(unjudged), i32(e.flushed), i32(e.significant & e.flushed),
-         i32(e.mismatched & dg.zero & dc.subnormal), i32(dg.subnormal)], ["sum"] * 9, (0, 1))
+        [i32(dc.nonfinite), i32(dg.nonfinite), i32(dc.nonfinite & ~dg.nonfinite),
+         i32(dg.nonfinite & ~dc.nonfinite), i32(e.unjudged), i32(e.flushed),
+         i32(e.significant & e.flushed), i32(e.mismatched & dg.zero & dc.subnormal),
+         i32(dg.subnormal)], ["sum"] * 9, (0, 1))
 
 
 def whole_leaf(c, g, r, s: Scales, options: Options, f: FloatFormat) -> tuple[WholeLeaf, jax.Array]:

@@ -202,6 +202,7 @@ class Elements(NamedTuple):
     floor: Any          # the noise floor, output units
     ratio: Any          # err / floor (inf where not finite in both)
     significant: Any
+    unjudged: Any       # candidate finite where the golden and the float64 reference are not
     flushed: Any        # golden subnormal, candidate +-0
     ulp_dist: Any       # ULP distance c vs g (unsigned)
     noise_bits: Any     # bit length of floor / ULP: differing bits below it may be noise
@@ -265,13 +266,16 @@ def elements(c, g, r, s: Scales, options: Options, f: FloatFormat,
     # a finite candidate where the golden is not: judged by the float64 reference, except where
     # that is not finite either (a naive reference's exp(x) past float64's range, inf / inf):
     # nothing judges it there
+    unjudged = jnp.zeros_like(golden_only_nf) if r is None else (
+        golden_only_nf & ~jnp.isfinite(r.astype(jnp.float64)))
     gold_nf_sig = golden_only_nf if r is None else (
-        golden_only_nf & jnp.isfinite(r.astype(jnp.float64)) & (over | ~jnp.isfinite(err)))
+        golden_only_nf & ~unjudged & (over | ~jnp.isfinite(err)))
     significant = mismatched & ((finite & over) | dc.nonfinite | gold_nf_sig)
     q = jnp.clip(jnp.floor(floor / ulp), 0, 2.0 ** 30).astype(jnp.int32)
     return Elements(dc=dc, dg=dg, mismatched=mismatched, finite=finite, cv=cv, gv=gv,
                     err_cg=err_cg, err=err, ulp=ulp, floor=floor, ratio=ratio,
-                    significant=significant, flushed=mismatched & dg.subnormal & dc.zero,
+                    significant=significant, unjudged=unjudged,
+                    flushed=mismatched & dg.subnormal & dc.zero,
                     ulp_dist=ulp_distance(dc, dg, f),
                     noise_bits=(32 - lax.clz(q)).astype(jnp.int32),
                     conditioned=fl.conditioned, noise_floor=fl.noise_floor)

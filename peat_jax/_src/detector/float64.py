@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Callable, Iterable, NamedTuple, Optional
 
 from peat_jax._src.detector.machinery import Diagnosis, Match, plain, short
-from peat_jax._src.taxonomy import PASSING
 from peat_jax._src.formats import unit_roundoff
+from peat_jax._src.taxonomy import PASSING
 
 
 class Float64Evidence(NamedTuple):

@@ -2,6 +2,8 @@
 candidate's own run in float64 beside the reference's), and the differences they are made of."""
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,7 +50,7 @@ def max_difference(a, b, where=None) -> float:
     0.0 when they are bitwise equal); `where`: one boolean mask per leaf, the elements compared
     (None: all)."""
     worst = 0.0
-    masks = [None] * len(jax.tree.leaves(b)) if where is None else where
+    masks = itertools.repeat(None) if where is None else where
     for x, y, m in zip(jax.tree.leaves(a), jax.tree.leaves(b), masks):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         if x.shape != y.shape:
