@@ -49,7 +49,8 @@ class Entry:
       backward: also compare gradients (`check_kernel`'s `backward`: True, or the positions).
       variants: the `check_kernel` variants: by default all but "near_overflow" (inputs near
         sqrt(max): the products of an attention, a norm's squares overflow float32 in the math
-        itself) and "odd_shape" (a second compile per entry; the block kernels take only
+        itself; the layer norms take it, where the reference's own gradient loses float32's
+        accuracy) and "odd_shape" (a second compile per entry; the block kernels take only
         multiples of their blocks).
       needs: the modules the entry imports; it is skipped where one is missing.
       model: for a bug expected to merely fail ("fails"), the error model that would name it

@@ -169,6 +169,18 @@ def equinox_rms_norm(x, scale, bias):
     return _eqx_norm(eqx.nn.RMSNorm, x, scale, bias)
 
 
+@jax.jit
+def flax_layer_norm(x, scale, bias):
+    """`flax.linen.LayerNorm(epsilon=1e-5)` (its one-pass "fast variance", the default) with
+    the given scale and bias."""
+    import flax.linen as nn
+    return nn.LayerNorm(epsilon=1e-5).apply({"params": {"scale": scale, "bias": bias}}, x)
+
+
+def _norm1(seed):
+    return (normal(seed, 0, ROWS, N),)
+
+
 MHA_SEQ, MHA_DIM, MHA_HEADS = 16, 32, 2
 
 
@@ -245,6 +257,7 @@ torch_rope_interleaved = peat.kernels.torch_kernel(_torch_rope_interleaved,
                                                    name="rotary_embedding_torch")
 
 _NO_LARGE = ("example", "tiny", "subnormal", "zeros", "outliers")
+_NEAR_OVERFLOW = ("example", "large", "tiny", "near_overflow", "subnormal", "zeros", "outliers")
 
 
 def _activation_args(seed):
@@ -292,7 +305,17 @@ ENTRIES: tuple[Entry, ...] = (
           ref.causal_attention_bshd, _qkv_bshd, "passes",
           "flax.linen.dot_product_attention with a causal mask"),
     Entry("equinox_layer_norm", "equinox", "correct", equinox_layer_norm, ref.layer_norm_eps5,
-          _norm2, "passes", "equinox.nn.LayerNorm (eps 1e-5), vmapped over rows"),
+          _norm2, "passes", "equinox.nn.LayerNorm (eps 1e-5), vmapped over rows",
+          variants=_NEAR_OVERFLOW),
+    Entry("flax_layer_norm", "flax", "correct", flax_layer_norm, ref.layer_norm_eps5, _norm2,
+          "passes", "flax.linen.LayerNorm (eps 1e-5; one-pass variance) with scale and bias: at "
+          "inputs near 2**63 its gradient and the reference's lose float32's accuracy alike "
+          "(the variance's power -3/2 underflows)", variants=_NEAR_OVERFLOW),
+    Entry("jax_nn_standardize", "jax", "correct",
+          functools.partial(jax.nn.standardize, epsilon=1e-5), ref.standardize, _norm1,
+          "passes", "jax.nn.standardize (one-pass variance, rsqrt) against the two-pass "
+          "formula: at inputs near 2**63 both gradients lose float32's accuracy, the "
+          "reference's by 8% of its scale, jax's by 28%", variants=_NEAR_OVERFLOW),
     Entry("equinox_rms_norm", "equinox", "correct", equinox_rms_norm, ref.rms_norm, _norm2,
           "passes", "equinox.nn.RMSNorm (eps 1e-5), vmapped over rows"),
     Entry("equinox_mha_causal", "equinox", "correct", equinox_mha_causal,

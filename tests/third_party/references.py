@@ -79,6 +79,13 @@ def layer_norm_eps5(x, scale, bias):
     return layer_norm(x, scale, bias, eps=1e-5)
 
 
+def standardize(x, eps=1e-5):
+    """(x - mean) / sqrt(var + eps) over the last axis: a layer norm without scale and bias."""
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + eps)
+
+
 def rms_norm(x, scale, bias, eps=1e-5):
     """x / sqrt(mean(x^2) + eps) * scale + bias over the last axis."""
     return x / jnp.sqrt((x * x).mean(-1, keepdims=True) + eps) * scale + bias

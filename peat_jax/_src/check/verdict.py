@@ -7,7 +7,8 @@ from typing import Optional, Sequence
 from peat_jax._src.check.judging import Check, narrowest_formats
 from peat_jax._src.check.programs import VJP_FORWARD
 from peat_jax._src.check.running import Float64Reference
-from peat_jax._src.detector import Diagnosis, narrowed, only_on_odd_shapes, severity
+from peat_jax._src.detector import (UNSTABLE_FACTOR, Diagnosis, narrowed, only_on_odd_shapes,
+                                    severity)
 from peat_jax._src.judge.reference_spread import Spread
 from peat_jax._src.judge.rounding import ROUNDING_SAMPLES
 
@@ -73,6 +74,16 @@ def verdict(checks: Sequence[Check], *, skipped: dict[str, str],
         note += (f"; note: the reference is not finite, in float64 too, at "
                  f"{sum(unjudged.values())} elements where the candidate is (in {len(unjudged)} "
                  "checks): nothing judges those elements")
+    inaccurate = {f"{c.output} on {c.variant}": c.diagnosis.evidence["reference_error_roundoffs"]
+                  for c in checks if c.diagnosis.passed
+                  and "reference_error_roundoffs" in c.diagnosis.evidence}
+    if inaccurate:
+        ev["inaccurate_reference"] = inaccurate
+        where_, roundoffs = max(inaccurate.items(), key=lambda kv: kv[1])
+        note += (f"; note: the reference itself is inaccurate on {len(inaccurate)} checks "
+                 f"({where_}: its max |error| is {roundoffs:.3g}x its dtype's roundoff at the "
+                 "output's scale), where the candidate, right in float64, errs within "
+                 f"{UNSTABLE_FACTOR:g}x as much: judge those against a more accurate reference")
     ev["origin"] = {"variant": worst.variant, "output": worst.output}
     ev["reference_precision"] = precision
     if d.model in ("reduced_precision", "low_precision_accumulation"):

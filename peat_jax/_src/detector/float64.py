@@ -2,10 +2,11 @@
 float64 too (`check_kernel` and playback supply the numbers, `judge.float64.float64_evidence`):
 ``unstable_algorithm`` (exact in float64, amplified rounding in float32), ``approximation``
 (wrong in float64 as well) and, passing, ``numerical_noise`` by ``another_algorithms_rounding``
-(a few elements just past the floor of a right algorithm that rounds about as the reference
-does)."""
+(a right algorithm that rounds about as the reference does: a few elements just past the floor,
+or anywhere the reference itself loses its dtype's accuracy)."""
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable, NamedTuple, Optional
 
 from peat_jax._src.detector.machinery import Diagnosis, Match, plain, short
@@ -64,17 +65,22 @@ def _unstable_algorithm(d: Diagnosis, f: Float64Evidence) -> Optional[Match]:
                            f"the rules alone said {d.model})")
 
 
-def _approximation(d: Diagnosis, f: Float64Evidence) -> Optional[Match]:
-    """The check fails as low_precision_accumulation by the error's slope or bias (its values
-    are not on a narrower grid), or as reduced_precision of the inputs with no narrow format
-    fitting, and the candidate, really computing in float64 (`in_float64`), is still off the
-    float64 reference by at least half its error in its own dtype (the difference is in the function
-    computed, e.g. tanh-GELU for the exact GELU or a polynomial exp, not in rounding)."""
+def _unformatted_degradation(d: Diagnosis) -> bool:
+    """The failure is dense degradation the signature rules could not tie to a narrower format:
+    low_precision_accumulation by the error's slope or bias (its values are not on a narrower
+    grid), or reduced_precision of the inputs with no narrow format fitting."""
     ev = d.evidence
-    dense = (d.model == "low_precision_accumulation" and "max_ulp_on_grid" not in ev) or (
+    return (d.model == "low_precision_accumulation" and "max_ulp_on_grid" not in ev) or (
         d.model == "reduced_precision" and ev.get("where") == "inputs" and not ev.get("formats"))
-    if d.passed or not dense or not f.in_float64 or not (f.error > 0 and
-                                                         f.error64 >= 0.5 * f.error):
+
+
+def _approximation(d: Diagnosis, f: Float64Evidence) -> Optional[Match]:
+    """The check fails as `_unformatted_degradation`, and the candidate, really computing in
+    float64 (`in_float64`), is still off the float64 reference by at least half its error in
+    its own dtype (the difference is in the function computed, e.g. tanh-GELU for the exact
+    GELU or a polynomial exp, not in rounding)."""
+    if d.passed or not _unformatted_degradation(d) or not f.in_float64 or not (
+            f.error > 0 and f.error64 >= 0.5 * f.error):
         return None
     ev = {"error": f.error, "error_float64": f.error64, "reference_max": f.scale,
           "would_be": d.model}
@@ -88,34 +94,74 @@ _ROUNDING_LIKE = frozenset({"bit_flip", "multi_bit_flip", "sign_flip", "zeroed",
 """The models the signature rules give a few elements that differ by value alone; the others
 name a structure (a tile, a layout, a scale, a stuck bit) or a format, which rounding is not."""
 
+_DTYPE_BOUND = frozenset({"flush_to_zero", "nan_inf", "nondeterministic", "data_race"})
+"""Models of what a kernel does in its own dtype or from run to run, which its float64 run
+cannot show (so can the formats: reduced_precision and low_precision_accumulation that a
+narrower format fits)."""
+
 
 def _another_algorithms_rounding(d: Diagnosis, f: Float64Evidence) -> Optional[Match]:
-    """The check fails on a few isolated elements (``evidence["isolated"]``: at most
-    `isolated_limit`, the distribution test holding) with a model of values alone
-    (`_ROUNDING_LIKE`); the candidate really computes in float64 (`in_float64`) and, so
-    evaluated, matches the float64 reference to within u * max|reference| (its algorithm
-    computes the right function); and in its dtype its max |error| is within `UNSTABLE_FACTOR`
-    times the larger of that bound and the reference's own max |error|, the line past which
-    `_unstable_algorithm` calls it unstable. A right algorithm that rounds about as much as
-    the reference, differently at a few elements: jax.nn.sigmoid's gradient s * (1 - s) loses
-    a few ULPs to cancellation where the reference's exp(-x) / (1 + exp(-x))^2 does not."""
-    if d.passed or d.model not in _ROUNDING_LIKE or not d.evidence.get("isolated"):
+    """The candidate's algorithm is right and rounds about as much as the reference does, where
+    the golden cannot tell the two roundings apart. All of:
+
+    - the candidate really computes in float64 (`in_float64`) and, so evaluated, matches the
+      float64 reference to within u * max|reference| (u the unit roundoff of its dtype: its
+      algorithm computes the right function, so no structure, scale or corruption of the
+      values is in its code);
+    - in its dtype its max |error| is within `UNSTABLE_FACTOR` times the larger of that bound and
+      the reference's own max |error|, the line past which `_unstable_algorithm` calls it
+      unstable;
+    - and either the reference itself is inaccurate here (its own max |error| exceeds
+      sqrt(u) * max|reference|: half its dtype's significand lost, as where an intermediate
+      overflows or underflows in its dtype, which the rounding floor, rounding at the dtype's
+      precision with float64's range, does not model), with any model but those of the
+      dtype (`_DTYPE_BOUND`, or a narrower format); or the failure is a few isolated elements
+      (``evidence["isolated"]``: at most `isolated_limit`, the distribution test holding) with
+      a model of values alone (`_ROUNDING_LIKE`).
+
+    jax.nn.sigmoid's gradient s * (1 - s) loses a few ULPs to cancellation where the reference's
+    exp(-x) / (1 + exp(-x))^2 does not (isolated); a layer norm's gradient at inputs near
+    2**63, where the variance's power -3/2 underflows float32 in the reference and the
+    candidate alike (the reference off by 8% of the gradient's scale, flax's LayerNorm by 28%:
+    "random_value", "low_precision_accumulation", or "permuted_layout" where its values, all
+    within the reference's own error, sort alike).
+    """
+    if d.passed or not f.in_float64:
         return None
     bound = unit_roundoff(f.dtype) * f.scale
-    if not f.in_float64 or not (f.error64 <= bound and
-                                f.error <= UNSTABLE_FACTOR * max(bound, f.reference_error)):
+    isolated = int(d.evidence.get("isolated") or 0)
+    formatted = (d.model in ("reduced_precision", "low_precision_accumulation")
+                 and not _unformatted_degradation(d))
+    # half the significand lost (float32: 2**-12 of the scale, 4096 roundoffs), far past what
+    # a composite function's rounding reaches (sigmoid's gradient: 9 roundoffs)
+    reference_unstable = f.reference_error > math.sqrt(unit_roundoff(f.dtype)) * f.scale
+    if reference_unstable:
+        if d.model in _DTYPE_BOUND or formatted:
+            return None
+    elif not isolated or d.model not in _ROUNDING_LIKE:
+        return None
+    if not (f.error64 <= bound and f.error <= UNSTABLE_FACTOR * max(bound, f.reference_error)):
         return None
     ev = {"error": f.error, "error_float64": f.error64, "reference_max": f.scale,
-          "reference_error": f.reference_error, "elements": d.evidence["isolated"],
-          "would_be": d.model}
-    n = d.evidence["isolated"]
-    return Match(ev, 0.7, f"{n} element{'s' if n > 1 else ''} just past the floor, but the "
-                           f"algorithm is right (run in float64 its max |error| is "
-                           f"{short(f.error64)}, below {f.dtype}'s roundoff at the output's "
-                           f"scale {short(bound)}) and in {f.dtype} its max |error| "
-                           f"{short(f.error)} is within {UNSTABLE_FACTOR:g}x the reference's own "
-                           f"{short(f.reference_error)}: another algorithm's rounding (the "
-                           f"rules alone said {d.model})")
+          "reference_error": f.reference_error, "would_be": d.model}
+    right = (f"the algorithm is right (run in float64 its max |error| is {short(f.error64)}, "
+             f"below {f.dtype}'s roundoff at the output's scale {short(bound)})")
+    if not reference_unstable:
+        ev["elements"] = isolated
+        return Match(ev, 0.7, f"{isolated} element{'s' if isolated > 1 else ''} just past the "
+                              f"floor, but {right} and in {f.dtype} its max |error| "
+                              f"{short(f.error)} is within {UNSTABLE_FACTOR:g}x the reference's "
+                              f"own {short(f.reference_error)}: another algorithm's rounding "
+                              f"(the rules alone said {d.model})")
+    ev["reference_error_roundoffs"] = roundoffs = (f.reference_error / bound if bound
+                                                   else math.inf)
+    return Match(ev, 0.6, f"the reference itself is inaccurate here (its max |error| in "
+                          f"{f.dtype}, {short(f.reference_error)}, is {short(roundoffs)}x "
+                          f"{f.dtype}'s roundoff at the output's scale: more than half its "
+                          f"significand lost), {right} and in {f.dtype} its max |error| "
+                          f"{short(f.error)} is within {UNSTABLE_FACTOR:g}x the reference's: "
+                          f"nothing in {f.dtype} judges it finer (the rules alone said "
+                          f"{d.model})")
 
 
 FLOAT64_RULES: tuple[tuple[str, str, Callable[[Diagnosis, Float64Evidence], Optional[Match]]],
