@@ -88,6 +88,12 @@ def softmax_scaled(x, axis=-1):
     return softmax(x, axis) * jnp.asarray(1.01, x.dtype)
 
 
+def layer_norm(x, eps=1e-6):
+    """A torch-style port of jax.nn.standardize: its eps named `eps`, not `epsilon`."""
+    mean = x.mean(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + eps)
+
+
 def attention(q, k, v, is_causal=False):
     """jax.nn.dot_product_attention's math on [batch, length, heads, head_dim] operands."""
     s = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))

@@ -374,16 +374,39 @@ def _tuples(v: Any) -> Any:
     return v
 
 
-def _json_kwargs(text: str, where: str) -> dict[str, Any]:
+def _json_kwargs(text: str, where: str, option: str = "--config") -> dict[str, Any]:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise PeatError(f"--config {where} is not valid JSON ({e.msg} at line {e.lineno} column "
+        raise PeatError(f"{option} {where} is not valid JSON ({e.msg} at line {e.lineno} column "
                         f"{e.colno}); write an object such as '{{\"is_causal\": true}}'") from None
     if not isinstance(obj, dict):
-        raise PeatError(f"--config {where} must be a JSON object of keyword arguments, such as "
+        raise PeatError(f"{option} {where} must be a JSON object of keyword arguments, such as "
                         f"'{{\"is_causal\": true}}', got a {type(obj).__name__}")
     return _tuples(obj)
+
+
+def parse_kwargs(text: Optional[str], option: str) -> dict[str, Any]:
+    """The keyword arguments that `option` (``--kernel-kwargs`` or ``--reference-kwargs``: one
+    side only) gives: inline JSON (an object; arrays become tuples) or the path of a file
+    holding it; {} for None.
+
+    Raises:
+      PeatError: invalid JSON, not an object, or a file that cannot be read.
+    """
+    if text is None:
+        return {}
+    stripped = text.strip()
+    if stripped.startswith(("{", "[")):
+        return _json_kwargs(stripped, "(inline)", option)
+    path = pathlib.Path(stripped).expanduser()
+    try:
+        body = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PeatError(f"{option} {text!r} is neither inline JSON nor a readable JSON file "
+                        f"({_first_line(e)}); give '{{\"eps\": 1e-5}}' or path/to/kwargs.json") \
+            from None
+    return _json_kwargs(body, f"file {stripped!r}", option)
 
 
 def _wants_seed(fn: Callable) -> bool:

@@ -90,6 +90,21 @@ def test_config_from_a_json_file_and_from_a_python_spec(capsys, tmp_path):
     assert d["operands"] == [{"shape": [5, 6], "dtype": "float32"}] and d["kwargs"] == {"axis": 0}
 
 
+def test_kwargs_for_one_side_only_where_a_port_names_them_otherwise(capsys, tmp_path):
+    """--kernel-kwargs and --reference-kwargs reach one side each (over --config's): a port's
+    eps against jax.nn.standardize's epsilon. The same eps passes; a reference at another eps
+    fails, and the JSON says which kwargs each side had."""
+    port = ("cli_kernels:layer_norm", "--reference", "jax.nn.standardize", "--shapes", "6x20",
+            "--variants", "example", "--kernel-kwargs", '{"eps": 1e-5}')
+    rc, d = check_json(capsys, *port, "--reference-kwargs", '{"epsilon": 1e-5}')
+    assert rc == 0 and d["kwargs"] == {"eps": 1e-5}, d["summary"]
+    assert d["reference_kwargs"] == {"epsilon": 1e-5}
+    ref = tmp_path / "ref.json"
+    ref.write_text('{"epsilon": 1e-3}')
+    rc, d = check_json(capsys, *port, "--reference-kwargs", str(ref))
+    assert rc == 1 and d["reference_kwargs"] == {"epsilon": 1e-3}, d["summary"]
+
+
 def test_reference_is_never_a_prefix_of_another_option():
     parser = cli.build_parser()
     args = parser.parse_args(["check", "m:f", "--reference", "jax.nn.dot_product_attention"])
@@ -129,6 +144,11 @@ def test_reference_is_never_a_prefix_of_another_option():
     (["cli_kernels:softmax", "--reference", "jax.nn.softmax", "--shapes", "4x8", "--variants",
       "exampel"], "unknown variants"),
     (["cli_kernels:softmax", "--shapes", "4x8"], "give --reference"),
+    (["cli_kernels:softmax", "--reference", "jax.nn.softmax", "--shapes", "4x8",
+      "--kernel-kwargs", "axis=0"], "--kernel-kwargs 'axis=0' is neither inline JSON nor"),
+    (["cli_kernels:softmax", "--reference", "jax.nn.softmax", "--shapes", "4x8",
+      "--reference-kwargs", "[0]"], "--reference-kwargs (inline) must be a JSON object"),
+    (["pallas_matmul", "--kernel-kwargs", "{}"], "--kernel-kwargs needs --reference"),
     (["pallas_matmull", "--reference", "jax.nn.softmax", "--shapes", "4x8"],
      "unknown kernel 'pallas_matmull'"),
 ])

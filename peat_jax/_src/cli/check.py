@@ -59,7 +59,7 @@ def report_checks(args, results: list[tuple[int, Any]], extra: Optional[dict] = 
 def cmd_check(args) -> int:
     if args.reference is not None:
         return check_any(args)
-    for opt in ("config", "int_bound"):
+    for opt in ("config", "int_bound", "kernel_kwargs", "reference_kwargs"):
         if getattr(args, opt) is not None:
             raise PeatError(f"--{opt.replace('_', '-')} needs --reference (the function to check "
                             "the kernel against)")
@@ -170,17 +170,21 @@ def check_any(args) -> int:
                                     kernel_spec.draw_args(shapes, dtypes, seed, args.int_bound))
         return drawn[seed]
 
-    kwargs = config.kwargs
+    kwargs = {**config.kwargs, **kernel_spec.parse_kwargs(args.kernel_kwargs, "--kernel-kwargs")}
+    ref_kwargs = {**config.kwargs,
+                  **kernel_spec.parse_kwargs(args.reference_kwargs, "--reference-kwargs")}
     # the candidate jitted (its kwargs static), so that the variants of one shape share one
     # compiled program; the reference runs as given
     candidate = jax.jit(functools.partial(fn, **kwargs)) if kwargs else jax.jit(fn)
-    reference = functools.partial(ref, **kwargs) if kwargs else ref
+    reference = functools.partial(ref, **ref_kwargs) if ref_kwargs else ref
     if args.lower:
         bound = functools.partial(fn, **kwargs)
         return check_lowering(args, args.kernel, bound, args_at(first))
     results = run_checks(args, candidate, reference, args_at)
     extra = {"candidate": args.kernel, "reference": args.reference,
              "operands": kernel_spec.describe_args(args_at(first)), "kwargs": kwargs}
+    if ref_kwargs != kwargs:
+        extra["reference_kwargs"] = ref_kwargs
     return report_checks(args, results, extra)
 
 

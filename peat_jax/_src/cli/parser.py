@@ -219,6 +219,12 @@ def _add_check(sub) -> None:
                          "Python spec MOD:SPEC, a tuple or dict or a callable SPEC(seed) (or "
                          "SPEC()) returning one: a tuple is the example args (no --shapes), a "
                          "dict has \"args\" and/or \"kwargs\"")
+    ck.add_argument("--kernel-kwargs", metavar="JSON",
+                    help="keyword arguments for KERNEL only, over --config's: inline JSON or a "
+                         "JSON file (a port whose arguments are named otherwise, e.g. "
+                         "'{\"eps\": 1e-5}' beside --reference-kwargs '{\"epsilon\": 1e-5}')")
+    ck.add_argument("--reference-kwargs", metavar="JSON",
+                    help="keyword arguments for REF only, over --config's (as --kernel-kwargs)")
     ck.add_argument("--variants",
                     help="input variants, comma-separated (default all: example, large, tiny, "
                          "near_overflow, subnormal, zeros, outliers, odd_shape; example alone "
