@@ -100,6 +100,20 @@ def test_flush_to_zero_is_its_own_model_and_can_be_allowed():
     assert detect(analyze(c, g), allow=("flush_to_zero",)).passed
 
 
+@pytest.mark.parametrize("flushed,expected", [(3, "numerical_noise"), (10, "flush_to_zero"),
+                                              (20, "flush_to_zero")])
+def test_a_few_zeros_among_subnormals_the_candidate_keeps_are_not_a_flush(flushed, expected):
+    """A flushing kernel leaves most of the golden's subnormals 0; a candidate that keeps the
+    others, its zeros within the floor, rounds (jax.nn.softmax's float16 gradient: 3 of 20)."""
+    g = _normal(1)
+    g.reshape(-1)[:20] = np.float32(np.finfo(np.float32).smallest_normal) / np.arange(2, 22,
+                                                                                   dtype=np.float32)
+    c = g.copy()
+    c.reshape(-1)[:flushed] = 0.0
+    d = detect(analyze(c, g))
+    assert d.model == expected and d.passed == (expected == "numerical_noise"), d.summary
+
+
 def test_nondeterminism_compares_runs():
     run0 = _normal(2, shift=4.0)
     noisy = _ulps(run0, np.random.default_rng(0).integers(0, 2, SHAPE))
