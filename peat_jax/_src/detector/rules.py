@@ -120,10 +120,10 @@ def _flush_to_zero(s: Signature) -> Optional[Match]:
 
 def _numerical_noise(s: Signature) -> Optional[Match]:
     """No significant element (every difference within the per-element noise floor), no
-    systematic flush (`_systematic_flush`), and, with a float64 reference and >= 32 finite elements, the distribution test holds
-    (`peat_jax._src.analyzer.noise.distribution_ok`): it fails only when the candidate's median ULP
-    error is beyond 2x the golden's (F/2) or its 90th percentile beyond 4x (F), and its 99th
-    percentile beyond 4x too, each + 0.5 ULP."""
+    systematic flush (`_systematic_flush`), and, with a float64 reference and >= 32 finite
+    elements, the distribution test holds (`peat_jax._src.analyzer.noise.distribution_ok`): it
+    fails only when the candidate's median ULP error is beyond 2x the golden's (F/2) or its 90th
+    percentile beyond 4x (F), and its 99th percentile beyond 4x too, each + 0.5 ULP."""
     c = s.counts
     if c.significant or _systematic_flush(c):
         return None
