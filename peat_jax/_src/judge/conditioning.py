@@ -25,15 +25,20 @@ def perturb_inputs(args, rng: np.random.Generator, mantissa_bits: int = 0):
     2)``, u uniform in [-1, 1] per element, eps the machine epsilon of d or, when finer, of a
     format with `mantissa_bits` (the outputs' finest: a bfloat16-input, float32-output matmul
     is perturbed at float32's last bit, the precision its result resolves): at most the unit
-    roundoff relative, so at most 1 ULP (half an ULP at the bottom of a binade); zeros stay
-    zero. Other leaves are kept. Returns host arrays (float64 for the float leaves)."""
+    roundoff relative, so at most 1 ULP (half an ULP at the bottom of a binade). A zero moves
+    by u times d's smallest subnormal, its own last bit: where the function has a kink at 0
+    (relu's, or a tie of a max) its gradient is not unique there, and the spread shows it.
+    Other leaves are kept. Returns host arrays (float64 for the float leaves)."""
     def one(x):
         if not is_float_leaf(x):
             return x
         xn = np.asarray(jax.device_get(x))
-        half_eps = 2.0 ** -(max(float_format(xn.dtype).mantissa_bits, mantissa_bits) + 1)
+        fmt = float_format(xn.dtype)
+        half_eps = 2.0 ** -(max(fmt.mantissa_bits, mantissa_bits) + 1)
+        smallest_subnormal = 2.0 ** (fmt.min_exponent - fmt.mantissa_bits)
         u = rng.uniform(-1.0, 1.0, xn.shape)
-        return xn.astype(np.float64) * (1.0 + u * half_eps)
+        x64 = xn.astype(np.float64)
+        return np.where(x64 == 0, u * smallest_subnormal, x64 * (1.0 + u * half_eps))
     return jax.tree.map(one, args)
 
 
