@@ -90,6 +90,7 @@ def test_config_from_a_json_file_and_from_a_python_spec(capsys, tmp_path):
     assert d["operands"] == [{"shape": [5, 6], "dtype": "float32"}] and d["kwargs"] == {"axis": 0}
 
 
+@pytest.mark.slow
 def test_kwargs_for_one_side_only_where_a_port_names_them_otherwise(capsys, tmp_path):
     """--kernel-kwargs and --reference-kwargs reach one side each (over --config's): a port's
     eps against jax.nn.standardize's epsilon. The same eps passes; a reference at another eps

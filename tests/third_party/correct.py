@@ -262,6 +262,22 @@ _NEAR_OVERFLOW = ("example", "large", "tiny", "near_overflow", "subnormal", "zer
 
 def _activation_args(seed):
     return (2 * normal(seed, 0, ROWS, N),)
+
+
+def _float16_logits(seed):
+    return ((2 * normal(seed, 0, ROWS, 40)).astype(jnp.float16),)
+
+
+def _images(seed):
+    return (normal(seed, 0, 2, 8, 8, 3),)
+
+
+@jax.jit
+def flax_max_pool(x):
+    """`flax.linen.max_pool(x, (2, 2), strides=(2, 2))` (lax.reduce_window: a tie's gradient
+    goes to one element)."""
+    import flax.linen as nn
+    return nn.max_pool(x, (2, 2), strides=(2, 2))
 _TORCH = ("torch",)
 _FAJ = ("flash_attention_jax",)
 
@@ -290,6 +306,16 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("jax_nn_softplus", "jax", "correct", jax.nn.softplus, ref.softplus_naive,
           _activation_args, "passes", "jax.nn.softplus against log(1 + exp(x)), inf (in float64 "
           "too) past x = 710: unjudged there"),
+    Entry("jax_nn_relu", "jax", "correct", jax.nn.relu, ref.relu_naive, _activation_args,
+          "passes", "jax.nn.relu against jnp.maximum(x, 0): at the all-zero inputs their "
+          "gradients are 0 and 1/2, both subgradients of the kink"),
+    Entry("jax_nn_softmax_float16", "jax", "correct", functools.partial(jax.nn.softmax, axis=-1),
+          ref.softmax_naive, _float16_logits, "passes",
+          "jax.nn.softmax in float16 against the formula: at logits near 90 a few of the "
+          "gradient's subnormals round to 0, within the floor", variants=_NEAR_OVERFLOW),
+    Entry("flax_max_pool", "flax", "correct", flax_max_pool, ref.max_pool_2x2, _images, "passes",
+          "flax.linen.max_pool 2x2 against a reshape-max: on all-zero inputs every window ties, "
+          "and each routes the gradient its own way"),
     Entry("optax_ce_integer_labels", "optax", "correct", optax_ce_integer,
           ref.cross_entropy_integer, _ce_integer_args, "passes",
           "optax.softmax_cross_entropy_with_integer_labels, mean: a fused cross-entropy"),

@@ -165,6 +165,23 @@ def sigmoid_naive(x):
     return 1 / (1 + jnp.exp(-x))
 
 
+def relu_naive(x):
+    """max(x, 0): its gradient at 0 is 1/2 (jnp.maximum splits a tie), jax.nn.relu's is 0."""
+    return jnp.maximum(x, 0)
+
+
+def max_pool_2x2(x):
+    """2x2 max pooling of `[batch, height, width, channels]` as a reshape and a max (a tie's
+    gradient split among the tied elements)."""
+    b, h, w, c = x.shape
+    return x.reshape(b, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
+
+
+def softmax_naive(x):
+    e = jnp.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
 def silu_naive(x):
     return x / (1 + jnp.exp(-x))
 
