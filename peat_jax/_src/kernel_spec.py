@@ -386,6 +386,15 @@ def _json_kwargs(text: str, where: str, option: str = "--config") -> dict[str, A
     return _tuples(obj)
 
 
+def _kwargs_file(path: pathlib.Path, option: str) -> dict[str, Any]:
+    """The keyword arguments in the JSON file `path` that `option` names."""
+    try:
+        body = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PeatError(f"cannot read {option} file {str(path)!r}: {_first_line(e)}") from None
+    return _json_kwargs(body, f"file {str(path)!r}", option)
+
+
 def parse_kwargs(text: Optional[str], option: str) -> dict[str, Any]:
     """The keyword arguments that `option` (``--kernel-kwargs`` or ``--reference-kwargs``: one
     side only) gives: inline JSON (an object; arrays become tuples) or the path of a file
@@ -400,13 +409,10 @@ def parse_kwargs(text: Optional[str], option: str) -> dict[str, Any]:
     if stripped.startswith(("{", "[")):
         return _json_kwargs(stripped, "(inline)", option)
     path = pathlib.Path(stripped).expanduser()
-    try:
-        body = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise PeatError(f"{option} {text!r} is neither inline JSON nor a readable JSON file "
-                        f"({_first_line(e)}); give '{{\"eps\": 1e-5}}' or path/to/kwargs.json") \
-            from None
-    return _json_kwargs(body, f"file {stripped!r}", option)
+    if not path.is_file():
+        raise PeatError(f"{option} {text!r} is neither inline JSON nor a JSON file: give "
+                        "'{\"eps\": 1e-5}' or path/to/kwargs.json")
+    return _kwargs_file(path, option)
 
 
 def _wants_seed(fn: Callable) -> bool:
@@ -465,11 +471,7 @@ def parse_config(text: Optional[str], seed: int = 0) -> Config:
         return Config(kwargs=_json_kwargs(stripped, "(inline)"), source="inline JSON")
     path = pathlib.Path(stripped).expanduser()
     if path.is_file() and not stripped.endswith(".py"):
-        try:
-            body = path.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise PeatError(f"cannot read --config file {stripped!r}: {_first_line(e)}") from None
-        return Config(kwargs=_json_kwargs(body, f"file {stripped!r}"), source=stripped)
+        return Config(kwargs=_kwargs_file(path, "--config"), source=stripped)
     if stripped.endswith(".json"):
         raise PeatError(f"no such --config file {stripped!r}; give an existing JSON file, inline "
                         "JSON or MOD:SPEC")

@@ -79,9 +79,9 @@ def verdict(checks: Sequence[Check], *, skipped: dict[str, str],
                   and "reference_error_roundoffs" in c.diagnosis.evidence}
     if inaccurate:
         ev["inaccurate_reference"] = inaccurate
-        where_, roundoffs = max(inaccurate.items(), key=lambda kv: kv[1])
+        worst_check, roundoffs = max(inaccurate.items(), key=lambda kv: kv[1])
         note += (f"; note: the reference itself is inaccurate on {len(inaccurate)} checks "
-                 f"({where_}: its max |error| is {roundoffs:.3g}x its dtype's roundoff at the "
+                 f"({worst_check}: its max |error| is {roundoffs:.3g}x its dtype's roundoff at the "
                  "output's scale), where the candidate, right in float64, errs within "
                  f"{UNSTABLE_FACTOR:g}x as much: judge those against a more accurate reference")
     ev["origin"] = {"variant": worst.variant, "output": worst.output}

@@ -128,13 +128,14 @@ def _another_algorithms_rounding(d: Diagnosis, f: Float64Evidence) -> Optional[M
     """
     if d.passed or not f.in_float64:
         return None
-    bound = unit_roundoff(f.dtype) * f.scale
+    u = unit_roundoff(f.dtype)
+    bound = u * f.scale
     isolated = int(d.evidence.get("isolated") or 0)
     formatted = (d.model in ("reduced_precision", "low_precision_accumulation")
                  and not _unformatted_degradation(d))
     # half the significand lost (float32: 2**-12 of the scale, 4096 roundoffs), far past what
     # a composite function's rounding reaches (sigmoid's gradient: 9 roundoffs)
-    reference_unstable = f.reference_error > math.sqrt(unit_roundoff(f.dtype)) * f.scale
+    reference_unstable = f.reference_error > math.sqrt(u) * f.scale
     if reference_unstable:
         if d.model in _DTYPE_BOUND or formatted:
             return None

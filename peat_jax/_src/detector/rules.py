@@ -28,7 +28,7 @@ from typing import Any, Iterable, Optional
 
 
 from peat_jax._src import taxonomy
-from peat_jax._src.analyzer import Signature
+from peat_jax._src.analyzer import Counts, Signature
 from peat_jax._src.detector.float64 import FLOAT64_RULES
 from peat_jax._src.detector.machinery import (Diagnosis, Match, Rule, apart, axis_name, change_text,
                                               element_count, fault_bits, flip_limit, format_phrase,
@@ -96,7 +96,7 @@ def _repeat_noise(s: Signature) -> Optional[Match]:
                   f"floor (max {short(s.errors.max_floor_ratio)}x)")
 
 
-def _systematic_flush(c) -> bool:
+def _systematic_flush(c: Counts) -> bool:
     """Flushes (golden subnormal, candidate +-0) that a flushing kernel would leave: at least
     half the golden's subnormal values, or one beyond its floor. A few zeros among subnormals
     the candidate otherwise keeps, all within the floor, are rounding where the floor is wide

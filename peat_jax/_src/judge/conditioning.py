@@ -8,7 +8,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from peat_jax._src.formats import float_format, is_floating
+from peat_jax._src.formats import float_format, is_floating, ulp_at
 
 
 def is_float_leaf(x) -> bool:
@@ -35,10 +35,9 @@ def perturb_inputs(args, rng: np.random.Generator, mantissa_bits: int = 0):
         xn = np.asarray(jax.device_get(x))
         fmt = float_format(xn.dtype)
         half_eps = 2.0 ** -(max(fmt.mantissa_bits, mantissa_bits) + 1)
-        smallest_subnormal = 2.0 ** (fmt.min_exponent - fmt.mantissa_bits)
         u = rng.uniform(-1.0, 1.0, xn.shape)
         x64 = xn.astype(np.float64)
-        return np.where(x64 == 0, u * smallest_subnormal, x64 * (1.0 + u * half_eps))
+        return np.where(x64 == 0, u * ulp_at(0.0, fmt), x64 * (1.0 + u * half_eps))
     return jax.tree.map(one, args)
 
 
