@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax._src.analyzer import analyze
-from peat_jax._src.check.programs import (VJP_FORWARD, Pairing, is_jitted, named_outputs, vjp_body,
-                                          jitted_vjp, vjp_traced)
+from peat_jax._src.check.programs import (VJP_FORWARD, Pairing, is_jitted, jitted_vjp,
+                                          named_outputs, named_vjp, vjp_traced)
 from peat_jax._src.check.programs import bitwise_same
 from peat_jax._src.check.running import Run, conditioning_spreads, float64_outputs, outputs_again
 from peat_jax._src.detector import (Diagnosis, bitwise_equal, by_float64, data_race, detect,
@@ -178,7 +178,7 @@ def _rounding_outputs(reference, run: Run, seed: int) -> dict[str, Any]:
         return {"forward": rounding_samples(reference, run.args, seed)}
     both = VJP_FORWARD in run.reference
     body = jitted_vjp(reference, run.positions, both) if is_jitted(reference) else \
-        vjp_body(reference, run.positions, both)
+        named_vjp(reference, run.positions, both)
     o = rounding_samples(body, (run.args, run.cotangent), seed)
     return named_outputs(o if both else o._replace(forward=o.vjp_forward), run.positions, both)
 

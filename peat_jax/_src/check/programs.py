@@ -75,6 +75,11 @@ class Pinned:
     fn: Callable
     precision: str
 
+    @property
+    def __name__(self) -> str:
+        """The wrapped callable's name (what compile logs name its programs by)."""
+        return getattr(self.fn, "__name__", type(self.fn).__name__)
+
     def __call__(self, *args):
         with at_matmul_precision(self.precision):
             return self.fn(*args)
@@ -150,7 +155,17 @@ def vjp_body(fn: Callable, positions: tuple[int, ...], plain_forward: bool) -> C
 
 
 def _program_name(fn: Callable, suffix: str) -> str:
-    return f"{getattr(fn.fn if isinstance(fn, Pinned) else fn, '__name__', 'fn')}_{suffix}"
+    return f"{getattr(fn, '__name__', 'fn')}_{suffix}"
+
+
+@functools.lru_cache(maxsize=16)
+def named_vjp(fn: Callable, positions: tuple[int, ...], plain_forward: bool) -> Callable:
+    """`vjp_body` kept by its arguments and named "<fn's name>_vjp" (compile logs): one object
+    per callable, so that what is keyed by it (`jitted_vjp`, the Monte Carlo programs of
+    `judge.rounding`) is shared by every check of that callable."""
+    vjp = vjp_body(fn, positions, plain_forward)
+    vjp.__name__ = vjp.__qualname__ = _program_name(fn, "vjp")
+    return vjp
 
 
 @functools.lru_cache(maxsize=16)
@@ -158,10 +173,8 @@ def jitted_vjp(fn: Callable, positions: tuple[int, ...], plain_forward: bool) ->
     """`vjp_outputs(fn, args, positions, ct, plain_forward)` jitted, by its static arguments,
     so that checks of the same callable share its compilations (the plain call and the forward under
     `jax.vjp` are one computation to the compiler where they are the same). Named
-    "<fn's name>vjp_outputs" (compile logs)."""
-    vjp = vjp_body(fn, positions, plain_forward)
-    vjp.__name__ = vjp.__qualname__ = _program_name(fn, "vjp")
-    return jax.jit(vjp)
+    "<fn's name>_vjp" (compile logs)."""
+    return jax.jit(named_vjp(fn, positions, plain_forward))
 
 
 @functools.lru_cache(maxsize=16)
