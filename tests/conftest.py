@@ -32,7 +32,12 @@ def _shared_compilation_cache(tmp_path_factory):
         return
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    # the `peat` commands and examples the tests run as subprocesses share it too
+    was = os.environ.get("PEAT_CACHE_DIR")
+    os.environ["PEAT_CACHE_DIR"] = was or path
     yield
+    if was is None:
+        os.environ.pop("PEAT_CACHE_DIR", None)
 
 
 @pytest.fixture(autouse=True, scope="module")

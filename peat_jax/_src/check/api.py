@@ -77,9 +77,8 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
       *example_args: the example inputs (arrays or pytrees).
       allow: models that pass (e.g. ``("reduced_precision",)``).
       repeats: runs of the candidate on the example inputs (>= 1; 1 disables the repeat check).
-      variants: variant names (default: all of `VARIANTS`; "example" alone for a quick check).
-        A variant the candidate cannot run on is skipped when it is "odd_shape" (the kernel
-        accepts only some shapes), an error otherwise.
+      variants: variant names (default: all of `VARIANTS`; "example" alone for a quick check);
+        "odd_shape" is skipped where the candidate cannot run on it (it serves some shapes).
       seed: seeds the variants and the cotangents.
       backward: also compare gradients: True for every positional argument holding floats,
         or the positions to differentiate (``backward=(0,)`` for a loss of logits and labels:
@@ -101,13 +100,12 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
       "output": "forward" | "grad[i]" | "forward (vjp)" | "repeat forward" | ...}`` ("forward
       (vjp)": the output the candidate's VJP computed, where it differs from its plain call's);
       ``evidence["checks"]`` lists every check as ``[variant, output, model]``;
-      ``evidence["reference_precision"]`` is the reference's matmul precision. A
-      ``reduced_precision`` verdict names the narrow format when one fits every failing check
-      (``evidence["formats"]``: "inputs rounded to tf32").
-      A failing output is also judged by the candidate run in float64 (`detector.by_float64`:
-      ``unstable_algorithm``, ``approximation``); a candidate stopped by the Pallas
-      interpreter's race detector is ``data_race``; a kernel failing only on "odd_shape" is
-      ``tile_boundary`` (`detector.only_on_odd_shapes`).
+      ``evidence["reference_precision"]`` is the reference's matmul precision; a
+      ``reduced_precision`` verdict names the narrow format that fits every failing check
+      (``evidence["formats"]``: "inputs rounded to tf32"). A failing output is also judged by
+      the candidate run in float64 (``unstable_algorithm``, ``approximation``); a candidate
+      stopped by the Pallas interpreter's race detector is ``data_race``; one failing only on
+      "odd_shape" is ``tile_boundary``.
 
     Raises:
       PeatError: bad options, a candidate or reference that raises, or outputs whose structure
