@@ -253,7 +253,7 @@ def test_small_shapes_share_one_compiled_program_and_large_ones_reuse_the_sample
 
 
 class _Compiles(logging.Handler):
-    """Counts the compilations of the analyzer's two programs that jax starts (its compile log:
+    """Counts the compilations of the analyzer's programs that jax starts (its compile log:
     "Compiling jit(...)" is logged when a program is lowered, also where the persistent cache
     then holds the executable)."""
 
@@ -262,7 +262,7 @@ class _Compiles(logging.Handler):
         self.names: list[str] = []
 
     def emit(self, record):
-        m = re.match(r"Compiling jit\((shape|sample)_program\)", record.getMessage())
+        m = re.match(r"Compiling jit\((shape|sample|detail)_program\)", record.getMessage())
         if m:
             self.names.append(m.group(1))
 
@@ -279,7 +279,7 @@ class _Compiles(logging.Handler):
 
 
 # a shape no other test analyses, in float16 with a float64 reference: new programs for each test
-_FRESH = {"concurrent": (3, 5, 7), "ahead": (2, 9, 11)}
+_FRESH = {"concurrent": (3, 5, 7), "ahead": (2, 9, 11), "detail": (2, 7, 13)}
 
 
 def test_concurrent_analyses_of_a_new_shape_compile_its_programs_once():
@@ -294,7 +294,8 @@ def test_concurrent_analyses_of_a_new_shape_compile_its_programs_once():
 
     with _Compiles() as compiles, ThreadPoolExecutor(3) as pool:
         sigs = list(pool.map(one, range(3)))
-    assert sorted(compiles.names) == ["sample", "shape"], compiles.names
+    # the two that differ have significant errors: the detail stages too, once
+    assert sorted(compiles.names) == ["detail", "sample", "shape"], compiles.names
     assert [s.counts.mismatched for s in sigs][0] == 0
 
 
@@ -312,6 +313,41 @@ def test_compile_ahead_builds_what_analyze_runs_for_those_shapes():
                            conditioning=True) == 0   # nothing to analyse as floats
     assert A.compile_ahead([jax.ShapeDtypeStruct((64, 64), jnp.float32)], reference64=False,
                            conditioning=False, max_elements=4095) == 0   # over the cap
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("reference", [False, True])
+def test_detail_stages_are_built_and_run_only_for_a_leaf_with_significant_errors(
+        dtype, reference, monkeypatch):
+    """A leaf without significant errors (a correct kernel's) neither compiles nor runs the
+    worst-element, structure and permutation stages (`device.detail_program`: about half of
+    the statistics' compile time); what stands in for them is what their gated branch gives.
+    The first failing leaf of a shape compiles them once."""
+    shape = _FRESH["detail"]
+    g = _normal(5, shape, dtype)
+    r = g.astype(np.float64) if reference else None
+    c = g.copy()
+    c.reshape(-1)[17] = c.reshape(-1)[17] * 4 + 1
+    calls = []
+    real = A.api.leaf_stats
+    monkeypatch.setattr(A.api, "leaf_stats", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
+    with _Compiles() as passing:
+        ok = analyze(g, g, r)
+    with _Compiles() as failing:
+        bad = [analyze(c, g, r) for _ in range(2)]
+    assert "shape" in passing.names and "detail" not in passing.names, passing.names
+    assert failing.names == ["detail"], failing.names
+    assert ok.counts.significant == 0 and bad[0].counts.significant == 1
+    assert [w.index for w in bad[0].worst] == [tuple(np.unravel_index(17, shape))]
+    (c0, g0, r0, options, *rest), kwargs = calls[0]
+    k0 = rest[0] if rest else None
+    with jax.enable_x64(reference):
+        stats, _, scales, _, rows = A.device.shape_program(c0, g0, r0, options, k0)
+        ran = A.device.detail_program(c0, g0, r0, scales, stats.whole.significant,
+                                      stats.scales.rel_tol, rows, options, k0)
+        got = real(c0, g0, r0, options, *rest, **kwargs)
+    as_lists = lambda t: jax.tree.map(lambda x: (np.asarray(x).dtype, np.asarray(x).tolist()), t)  # noqa: E731
+    assert as_lists((got.worst, got.structure, got.permutation)) == as_lists(ran)
 
 
 def _fields(d, path=""):

@@ -13,7 +13,7 @@ import numpy as np
 from peat_jax._src.analyzer.bucket import bucket_of, pad, unpad
 from peat_jax._src.analyzer.build import build_signature, nonfloat_signature
 from peat_jax._src.analyzer.contract import Options
-from peat_jax._src.analyzer.device import leaf_stats, nonfloat_stats, to_host
+from peat_jax._src.analyzer.device import leaf_stats, nonfloat_stats
 from peat_jax._src.analyzer.noise import (DEFAULT_NOISE_FACTOR, DTYPE_ULP_ALLOWANCE,
                                           REFERENCE_ULP_ALLOWANCE, analyzed_format,
                                           dtype_noise_bound, rounding_floor)
@@ -210,14 +210,14 @@ def _leaf_stats(device, options: Options, c, g, r, k, extent=None):
     conditioning spread as float64)."""
     c, g = jax.device_put(c, device), jax.device_put(g, device)
     if r is None:
-        return to_host(leaf_stats(c, g, None, options, extent=extent))
+        return leaf_stats(c, g, None, options, extent=extent)
     with jax.enable_x64(True):
         r64 = jax.device_put(jnp.asarray(r, jnp.float64), device)
         # the spread's magnitude is taken in the compiled program: eager jnp ops here would
         # compile programs of their own on a cold start
         k64 = None if k is None else jax.device_put(
             k if isinstance(k, jax.Array) else np.asarray(k, np.float64), device)
-        return to_host(leaf_stats(c, g, r64, options, k64, extent))
+        return leaf_stats(c, g, r64, options, k64, extent)
 
 
 def _with_rounding(where: str, g, r, k, samples):

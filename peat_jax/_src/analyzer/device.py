@@ -1,6 +1,8 @@
-"""Device side: the statistics of one leaf (`leaf_stats`): two jitted programs, `shape_program`
-compiled once per shapes, dtypes, device and `Options`, and `sample_program` once per dtypes and
-`Options` (the sample is padded to a fixed size, so every shape shares it).
+"""Device side: the statistics of one leaf (`leaf_stats`): jitted programs, `shape_program`
+compiled once per shapes, dtypes, device and `Options`, `sample_program` once per dtypes and
+`Options` (the sample is padded to a fixed size, so every shape shares it), and
+`detail_program`, like `shape_program`, but compiled and run only for a leaf with significant
+errors.
 
 Stages, in order: the leaf-wide scales of the floor (`elements.leaf_scales`); exact whole-leaf
 counts and maxima (`whole_leaf`); distributions over the sample (`sample.sample_stats`); and,
@@ -11,21 +13,25 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import cast
+from typing import TypeVar, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from peat_jax._src.analyzer.bits import Operand
 from peat_jax._src.analyzer.contract import (ConditioningStats, LeafScales, LeafStats, Options,
-                                             SampleStats, WholeLeaf, view2d)
+                                             PermutationStats, SampleStats, StructureStats,
+                                             WholeLeaf, WorstStats, view2d)
 from peat_jax._src.analyzer.elements import (Scales, elements, i32, leaf_scales, local_scale_2d,
                                              sample_index, vreduce)
 from peat_jax._src.analyzer.noise import NOISE_FREE_SHARE, analyzed_format
 from peat_jax._src.analyzer.sample import Gathered, gather_sample, sample_stats
 from peat_jax._src.analyzer.structure import permutation, structure
 from peat_jax._src.formats import FloatFormat
+
+T = TypeVar("T")
 
 
 def _rare_counts(c, g, r, s: Scales, options: Options, f: FloatFormat, eloc):
@@ -122,15 +128,18 @@ def _in_flat_order(shape, extent):
 
 @functools.partial(jax.jit, static_argnames=("options",))
 def shape_program(c, g, r, options: Options, k=None, extent=None):
-    """Everything but the sample's distributions, compiled once per (shapes, dtypes, options).
+    """Everything but the sample's distributions and the stages of `detail_program`, compiled
+    once per (shapes, dtypes, options).
 
     `extent`: None for a leaf as it is; for a leaf padded into a bucket (`analyzer.bucket`),
     its (rows, cols) as int32 scalars, so that every leaf of the bucket shares the program.
 
     Returns:
-      (a `LeafStats` whose ``sample`` is None, the `Gathered` sample, the leaf's `Scales`
-      without its per-row, per-column and per-element arrays, noise_free): the last three are
-      `sample_program`'s inputs.
+      (a `LeafStats` whose ``sample``, ``worst``, ``structure`` and ``permutation`` are None,
+      the `Gathered` sample, the leaf's `Scales` without its per-row, per-column and
+      per-element arrays, noise_free, the significant elements of each row of the 2-D view):
+      `sample_program` takes the sample, the scales and noise_free, `detail_program` the
+      scales and the rows' counts.
     """
     f = analyzed_format(g.dtype)
     c, g = Operand(c, None, f), Operand(g, None, f)
@@ -139,12 +148,11 @@ def shape_program(c, g, r, options: Options, k=None, extent=None):
     whole, row_cnt = whole_leaf(c, g, r, s, options, f)
     rel_tol = _relative_tolerance(s, r, options, f)
     noise_free = (whole.mismatched - whole.significant) <= NOISE_FREE_SHARE * s.rows * s.cols
-    worst, struct = structure(c, g, r, s, options, f, whole.significant, rel_tol,
-                              row_cnt)
+    # the sample's statistics come from sample_program, the rest from detail_program: leaf_stats
+    # puts them here
     stats = LeafStats(
-        # the sample's statistics come from sample_program: leaf_stats puts them here
-        whole=whole, sample=cast(SampleStats, None), worst=worst, structure=struct,
-        permutation=permutation(c, g, r, s, options, f, whole.significant),
+        whole=whole, sample=cast(SampleStats, None), worst=cast(WorstStats, None),
+        structure=cast(StructureStats, None), permutation=cast(PermutationStats, None),
         scales=LeafScales(rms=s.rms, abs_floor=s.abs_floor, rel_tol=rel_tol,
                           golden_max_abs_error=s.E, golden_max_ulp_error=s.U),
         conditioning=None if s.K is None else conditioning_stats(c, g, r, s, options, f))
@@ -152,7 +160,25 @@ def shape_program(c, g, r, options: Options, k=None, extent=None):
     if extent is not None:
         idx, valid = _in_flat_order(c.shape, extent)
     return (stats, gather_sample(c, g, r, idx, s, options, f, valid),
-            s._replace(E_row=None, E_col=None, K=None, rows=None, cols=None), noise_free)
+            s._replace(E_row=None, E_col=None, K=None, rows=None, cols=None), noise_free,
+            row_cnt)
+
+
+@functools.partial(jax.jit, static_argnames=("options",))
+def detail_program(c, g, r, scales: Scales, n_sig, rel_tol, row_cnt, options: Options, k=None,
+                   extent=None) -> tuple[WorstStats, StructureStats, PermutationStats]:
+    """The worst elements, the structure of the significant mask and the permutation checks
+    (`structure`) of a leaf with `n_sig` > 0 significant elements, given what `shape_program`
+    returned for it (`scales`, its `rel_tol` and the rows' counts): compiled only when a leaf
+    of these shapes first fails, so a correct kernel never builds them. The per-row and
+    per-column scales are computed again (maxima: exactly the same); the rms, a sum, is
+    `scales`' own."""
+    f = analyzed_format(g.dtype)
+    c, g = Operand(c, None, f), Operand(g, None, f)
+    s = leaf_scales(c, g, r, sample_index(c.size, options.sample_size), options, f, k, extent)
+    s = s._replace(rms=scales.rms, abs_floor=scales.abs_floor)
+    worst, struct = structure(c, g, r, s, options, f, n_sig, rel_tol, row_cnt)
+    return worst, struct, permutation(c, g, r, s, options, f, n_sig)
 
 
 @functools.partial(jax.jit, static_argnames=("options",))
@@ -165,17 +191,58 @@ def sample_program(sample: Gathered, s: Scales, noise_free, options: Options) ->
 def leaf_stats(c, g, r, options: Options, k=None, extent=None) -> LeafStats:
     """The statistics of candidate `c` against golden `g` (same shape and float dtype), with the
     float64 reference `r` or None and, with `r`, the conditioning spread `k` (output units,
-    `g`'s shape; its magnitude counts, a non-finite element as 0) or None: `shape_program`,
-    then `sample_program` on its sample (both dispatched without waiting; a new shape compiles
-    only the first). `extent`: see `shape_program` (the operands then are a bucket's padded
-    arrays).
+    `g`'s shape; its magnitude counts, a non-finite element as 0) or None, on the host:
+    `shape_program`, then `sample_program` on its sample (dispatched without waiting; a new
+    shape compiles only the first), both fetched in one transfer per dtype (`to_host`); then,
+    only where that says significant errors exist, `detail_program` and a second transfer.
+    `extent`: see `shape_program` (the operands then are a bucket's padded arrays).
 
     Returns:
-      A `LeafStats` of device scalars and small vectors (see `contract`); for a bucket, in the
+      A `LeafStats` of numpy scalars and small vectors (see `contract`); for a bucket, in the
       padded array's coordinates (`bucket.unpad` maps them back).
     """
-    stats, sample, scales, noise_free = shape_program(c, g, r, options, k, extent)
-    return stats._replace(sample=sample_program(sample, scales, noise_free, options))
+    stats, sample, scales, noise_free, row_cnt = shape_program(c, g, r, options, k, extent)
+    stats = to_host(stats._replace(sample=sample_program(sample, scales, noise_free, options)))
+    if stats.whole.significant > 0:
+        worst, struct, perm = to_host(detail_program(
+            c, g, r, scales, stats.whole.significant, stats.scales.rel_tol, row_cnt, options, k,
+            extent))
+    else:
+        x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64   # sums' dtypes follow it
+        worst, struct, perm = _no_detail(jax.ShapeDtypeStruct(c.shape, c.dtype), options, x64)
+    return stats._replace(worst=worst, structure=struct, permutation=perm)
+
+
+@functools.lru_cache(maxsize=64)
+def _no_detail(leaf: jax.ShapeDtypeStruct, options: Options, x64: bool
+               ) -> tuple[WorstStats, StructureStats, PermutationStats]:
+    """What `detail_program` returns for a leaf shaped like `leaf` without significant errors
+    (`structure`'s and `permutation`'s gated branches: the worst elements' indices -1, the
+    permutation checks -1, the rest 0), as read-only host arrays of its output's shapes when
+    traced with 64-bit types as `x64` says (traced, not compiled; the shapes do not depend on
+    the reference, the spread or a bucket's extent)."""
+    with jax.enable_x64(x64):
+        return _empty_detail(leaf, options)
+
+
+def _empty_detail(leaf: jax.ShapeDtypeStruct, options: Options
+                  ) -> tuple[WorstStats, StructureStats, PermutationStats]:
+    f = analyzed_format(leaf.dtype)
+    scales = Scales(rms=jax.ShapeDtypeStruct((), f.compute_dtype),
+                    abs_floor=jax.ShapeDtypeStruct((), f.compute_dtype))
+    counts = jax.ShapeDtypeStruct((view2d(leaf.shape)[0],), jnp.int32)
+    shapes = jax.eval_shape(detail_program, leaf, leaf, None, scales,
+                            jax.ShapeDtypeStruct((), jnp.int32),
+                            jax.ShapeDtypeStruct((), jnp.float32), counts, options)
+
+    def filled(sd, value=0):
+        x = np.full(sd.shape, value, sd.dtype)
+        x.flags.writeable = False
+        return x
+
+    worst, struct, perm = jax.tree.map(filled, shapes)
+    return (worst._replace(index=filled(worst.index, -1)), struct,
+            PermutationStats(*(filled(x, -1) for x in perm)))
 
 
 def _groups(leaves) -> dict:
@@ -193,9 +260,10 @@ def _by_dtype(leaves):
             for idx in _groups(leaves).values()]
 
 
-def to_host(stats: LeafStats) -> LeafStats:
-    """`stats` (device arrays) as numpy arrays, in one transfer per dtype: fetching its ~75
-    small arrays one by one costs ~13 us each on the CPU, and a round trip each on a GPU."""
+def to_host(stats: T) -> T:
+    """`stats` (a tree of device arrays: a `LeafStats`, or part of one) as numpy arrays, in one
+    transfer per dtype: fetching its ~75 small arrays one by one costs ~13 us each on the CPU,
+    and a round trip each on a GPU."""
     leaves, treedef = jax.tree_util.tree_flatten(stats)
     out = [None] * len(leaves)
     for flat, idx in zip(jax.device_get(_by_dtype(leaves)), _groups(leaves).values()):
