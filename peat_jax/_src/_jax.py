@@ -71,6 +71,13 @@ if not is_tested_version():
         "PeatError naming the equation where they do not.", UserWarning, stacklevel=2)
 
 
+def x64_enabled() -> bool:
+    """Whether jax makes 64-bit types here: its `jax_enable_x64` flag, a ``jax.enable_x64``
+    context of the calling thread included."""
+    # jax.config's flags are attributes set at runtime: mypy cannot see them
+    return bool(jax.config.jax_enable_x64)  # type: ignore[attr-defined]
+
+
 def unsupported(primitive: str, what: str) -> PeatError:
     """The error for an equation layout that peat_jax does not know."""
     return PeatError(

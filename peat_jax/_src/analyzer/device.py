@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from peat_jax._src._jax import x64_enabled
 from peat_jax._src.analyzer.bits import Operand
 from peat_jax._src.analyzer.contract import (ConditioningStats, LeafScales, LeafStats, Options,
                                              PermutationStats, SampleStats, StructureStats,
@@ -208,8 +209,9 @@ def leaf_stats(c, g, r, options: Options, k=None, extent=None) -> LeafStats:
             c, g, r, scales, stats.whole.significant, stats.scales.rel_tol, row_cnt, options, k,
             extent))
     else:
-        x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64   # sums' dtypes follow it
-        worst, struct, perm = _no_detail(jax.ShapeDtypeStruct(c.shape, c.dtype), options, x64)
+        # the sums' dtypes follow x64
+        worst, struct, perm = _no_detail(jax.ShapeDtypeStruct(c.shape, c.dtype), options,
+                                         x64_enabled())
     return stats._replace(worst=worst, structure=struct, permutation=perm)
 
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from peat_jax._src._jax import x64_enabled
 from peat_jax._src.analyzer import analyze
 from peat_jax._src.check.programs import (VJP_FORWARD, Pairing, is_jitted, jitted_vjp,
                                           named_outputs, named_vjp, vjp_traced)
@@ -260,8 +261,7 @@ def repeat_checks(pool: ThreadPoolExecutor, candidate, run: Run, repeats: int,
 def _submit(pool: ThreadPoolExecutor, fn: Callable, *args, **kwargs) -> Future:
     """`fn(*args, **kwargs)` on `pool`, under the caller's x64 setting (a ``jax.enable_x64``
     context is the calling thread's only)."""
-    # jax.config's flags are attributes set at runtime: mypy cannot see them
-    x64 = bool(jax.config.jax_enable_x64)  # type: ignore[attr-defined]
+    x64 = x64_enabled()
 
     def under_callers_x64():
         with jax.enable_x64(x64):
