@@ -242,13 +242,14 @@ def _naive_sigmoid(x):
     return 1 / (1 + jnp.exp(-x))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_another_right_algorithm_a_few_ulps_off_at_a_few_elements_passes(seed):
+def test_another_right_algorithm_a_few_ulps_off_at_a_few_elements_passes():
     """jax.nn.sigmoid's gradient s * (1 - s) loses a few ULPs to cancellation where the naive
-    reference's exp(-x) / (1 + exp(-x))^2 does not: on these draws 1 to 3 elements land just
-    past the floor (bit_flip, unknown). Run in float64 it is right and its max |error| is
-    within 8x the reference's own: it passes, saying so. Moving those elements in float64
+    reference's exp(-x) / (1 + exp(-x))^2 does not: the rounding floor covers it on most draws
+    (19 of seeds 0..19), and on this one an element lands just past it (bit_flip, unknown).
+    Run in float64 it is right and its max |error| is within 8x the reference's own: it
+    passes, saying so. Moving those elements in float64
     too (a kernel that is wrong there) still fails."""
+    seed = 0
     (x,) = draw_args(parse_shapes("32x24"), parse_dtypes(None, 1), seed)
     d = check_kernel(jax.nn.sigmoid, _naive_sigmoid, x, variants=("example",), seed=seed)
     assert d.passed and d.evidence["rule"] == "another_algorithms_rounding", d.summary
