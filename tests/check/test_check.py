@@ -1,16 +1,14 @@
 """peat.check_kernel, peat.testing.assert_kernel_matches and the peat_check pytest fixture."""
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from compile_log import compiles
 from peat_jax._src._jax import cache_size
 from peat_jax._src.analyzer import device
 from peat_jax._src.check import VARIANTS, VJP_FORWARD, check_kernel, make_variant
@@ -130,27 +128,6 @@ def test_the_plain_call_and_the_forward_under_vjp_are_both_checked(jit):
         "forward", "grad[0]", "grad[1]"]
 
 
-@contextlib.contextmanager
-def _compiles():
-    """The names of the programs jax compiles inside the block (from its compile log), in
-    order; a program loaded from the persistent cache is named too."""
-    compiled: list[str] = []
-
-    class Compiles(logging.Handler):
-        def emit(self, record):
-            m = re.match(r"Compiling jit\((\w+)\)", record.getMessage())
-            if m:
-                compiled.append(m.group(1))
-
-    log, handler = logging.getLogger("jax"), Compiles()
-    log.addHandler(handler)
-    try:
-        with jax.log_compiles(True):
-            yield compiled
-    finally:
-        log.removeHandler(handler)
-
-
 @pytest.mark.parametrize("paired", [True, False])
 def test_a_jitted_candidate_compiles_one_program_per_new_shape(paired, monkeypatch):
     """Its forward and backward as one program (eagerly, `jax.vjp` of a jitted function
@@ -162,7 +139,7 @@ def test_a_jitted_candidate_compiles_one_program_per_new_shape(paired, monkeypat
     def fresh_blocked(a, b):        # a function of its own: nothing cached for it
         return blocked(a, b)
 
-    with _compiles() as compiled:
+    with compiles() as compiled:
         d = check_kernel(jax.jit(fresh_blocked), jax.jit(ref), A, B,
                          variants=("example", "large", "odd_shape"))
     assert d.passed, d.summary
@@ -186,7 +163,7 @@ def test_a_second_check_of_a_reference_reuses_its_rounding_floor_program():
         return (a @ b) * 1.01
 
     for seed, expected in ((0, ["fresh_ref_vjp_monte_carlo"]), (1, [])):
-        with _compiles() as compiled:
+        with compiles() as compiled:
             d = check_kernel(scaled, fresh_ref, A, B, variants=("example",), seed=seed)
         assert not d.passed and d.model == "wrong_scale", d.summary
         assert [n for n in compiled if n.endswith("_monte_carlo")] == expected, compiled

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import peat_jax as peat
+from compile_log import compiles
 from peat_jax._src.kernels import foreign
 
 try:
@@ -65,6 +66,21 @@ def test_foreign_matmul_matches_xla_forward_and_backward(which, dtype):
 
 
 @needs_torch
+@pytest.mark.parametrize("which", WHICH)
+def test_an_eager_kernel_compiles_its_callback_once_per_signature(which):
+    """Called eagerly (check_kernel runs candidates as given), forward and backward compile
+    one callback program each per shapes, not one per call; a new shape compiles again."""
+    kernel = {"numpy": foreign.numpy_kernel(np.matmul, vjp=_numpy_matmul_vjp),
+              "torch": foreign.torch_kernel(torch.matmul) if torch else None}[which]
+    with compiles() as names:
+        for shape in ((5, 7), (5, 7), (5, 7), (6, 7)):
+            a = jnp.ones(shape, jnp.float32)
+            b = jnp.ones((7, 3), jnp.float32)
+            y, vjp = jax.vjp(kernel, a, b)
+            vjp(jnp.ones_like(y))
+    assert names.count("pure_callback") == 4, names   # (forward, backward) x 2 shapes
+
+
 def test_bfloat16_round_trips_exactly_through_torch_and_via_float32_through_numpy():
     x = jax.random.normal(jax.random.key(0), (64,)).astype(jnp.bfloat16)
     seen = {}

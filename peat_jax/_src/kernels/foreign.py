@@ -18,6 +18,7 @@ Calls use `vmap_method="sequential"`.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import jax
@@ -32,6 +33,34 @@ from peat_jax._src.kernels.base import Kernel
 _NUMPY_NATIVE = frozenset(np.dtype(d).name for d in (
     np.float16, np.float32, np.float64, np.complex64, np.complex128, np.bool_,
     np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64))
+
+
+def _per_signature(make_host: Callable) -> Callable:
+    """`make_host(*signature) -> host callback`, returning the same callback object for an
+    equal signature (pytree structures, shapes, dtypes): `jax.pure_callback` keys its
+    compiled program by the callback, so an eagerly called kernel compiles once per signature
+    rather than once per call. An unhashable signature gets a fresh callback."""
+    cached = functools.lru_cache(maxsize=64)(make_host)
+
+    def host_for(*signature):
+        try:
+            return cached(*signature)
+        except TypeError:   # unhashable: e.g. a `result` returning arrays
+            return make_host(*signature)
+    return host_for
+
+
+def _forward(out_types: Callable, forward_host: Callable) -> Callable:
+    """A foreign kernel's `impl`: the operands' leaves through the host callback
+    ``forward_host(tree, want)`` (`_per_signature`), `out_types(operands)` its output types."""
+    def impl(*operands, **_params):
+        types = out_types(operands)
+        leaves, tree = jax.tree.flatten(operands)
+        want = tuple(jax.tree.leaves(types))
+        flat_out = jax.pure_callback(forward_host(tree, want), list(want), *leaves,
+                                     vmap_method="sequential")
+        return jax.tree.unflatten(jax.tree.structure(types), flat_out)
+    return impl
 
 
 def _float0_or_zeros(x):
@@ -116,27 +145,16 @@ def numpy_kernel(fn: Callable, vjp: Optional[Callable] = None, name: Optional[st
     def out_types(operands):
         return result(*operands) if result is not None else _numpy_result(fn, operands)
 
-    def impl(*operands, **_params):
-        types = out_types(operands)
-        leaves, tree = jax.tree.flatten(operands)
-        want = jax.tree.leaves(types)
-
+    @_per_signature
+    def forward_host(tree, want):
         def host(*flat):
             args = jax.tree.unflatten(tree, [_to_numpy(x) for x in flat])
             out = jax.tree.leaves(fn(*args))
             return [_from_host(o, w) for o, w in zip(out, want)]
+        return host
 
-        flat_out = jax.pure_callback(host, want, *leaves, vmap_method="sequential")
-        return jax.tree.unflatten(jax.tree.structure(types), flat_out)
-
-    def numpy_vjp(ops, out, g, **_params):
-        leaves, tree = jax.tree.flatten(ops)
-        out_leaves, out_tree = jax.tree.flatten(out)
-        g_leaves = jax.tree.leaves(g)
-        n_in, n_out = len(leaves), len(out_leaves)
-        fl = [(i, x) for i, x in enumerate(leaves) if is_inexact(x.dtype)]
-        want = [jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in fl]
-
+    @_per_signature
+    def backward_host(tree, out_tree, n_in, n_out, fl, want):
         def host(*flat):
             args = jax.tree.unflatten(tree, [_to_numpy(x) for x in flat[:n_in]])
             o = jax.tree.unflatten(out_tree, [_to_numpy(x) for x in flat[n_in:n_in + n_out]])
@@ -146,17 +164,26 @@ def numpy_kernel(fn: Callable, vjp: Optional[Callable] = None, name: Optional[st
                 raise PeatError(f"numpy_kernel {kname!r}: vjp returned {len(grads)} "
                                 f"cotangents for {n_in} operands")
             return [np.zeros(w.shape, w.dtype) if grads[i] is None else _from_host(grads[i], w)
-                    for (i, _), w in zip(fl, want)]
+                    for i, w in zip(fl, want)]
+        return host
 
-        got = jax.pure_callback(host, want, *leaves, *out_leaves, *g_leaves,
+    def numpy_vjp(ops, out, g, **_params):
+        leaves, tree = jax.tree.flatten(ops)
+        out_leaves, out_tree = jax.tree.flatten(out)
+        g_leaves = jax.tree.leaves(g)
+        n_in, n_out = len(leaves), len(out_leaves)
+        fl = tuple(i for i, x in enumerate(leaves) if is_inexact(x.dtype))
+        want = tuple(jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in fl)
+        host = backward_host(tree, out_tree, n_in, n_out, fl, want)
+        got = jax.pure_callback(host, list(want), *leaves, *out_leaves, *g_leaves,
                                 vmap_method="sequential") if want else []
         full = [_float0_or_zeros(x) for x in leaves]
-        for (i, _), v in zip(fl, got):
+        for i, v in zip(fl, got):
             full[i] = v
         return tuple(jax.tree.unflatten(tree, full))
 
-    return Kernel(kname, impl, primitive=primitive, supports=supports,
-                  vjp=numpy_vjp if vjp is not None else None)
+    return Kernel(kname, _forward(out_types, forward_host), primitive=primitive,
+                  supports=supports, vjp=numpy_vjp if vjp is not None else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,28 +251,18 @@ def torch_kernel(fn: Callable, name: Optional[str] = None, *, result: Optional[C
         return jax.tree.map(lambda t: jax.ShapeDtypeStruct(
             tuple(t.shape), _from_torch(torch, torch.zeros((), dtype=t.dtype)).dtype), out)
 
-    def impl(*operands, **_params):
-        types = out_types(operands)
-        leaves, tree = jax.tree.flatten(operands)
-        want = jax.tree.leaves(types)
-
+    @_per_signature
+    def forward_host(tree, want):
         def host(*flat):
             torch = _torch()
             args = jax.tree.unflatten(tree, [_to_torch(torch, x) for x in flat])
             with torch.no_grad():
                 out = jax.tree.leaves(fn(*args))
             return [_from_host(_from_torch(torch, o), w) for o, w in zip(out, want)]
+        return host
 
-        flat_out = jax.pure_callback(host, want, *leaves, vmap_method="sequential")
-        return jax.tree.unflatten(jax.tree.structure(types), flat_out)
-
-    def kvjp(ops, out, g, **_params):
-        leaves, tree = jax.tree.flatten(ops)
-        g_leaves = jax.tree.leaves(g)
-        n_in = len(leaves)
-        fl = [i for i, x in enumerate(leaves) if is_inexact(x.dtype)]
-        want = [jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in fl]
-
+    @_per_signature
+    def backward_host(tree, n_in, fl, want):
         def host(*flat):
             torch = _torch()
             ts = [_to_torch(torch, x, requires_grad=i in fl) for i, x in enumerate(flat[:n_in])]
@@ -260,12 +277,20 @@ def torch_kernel(fn: Callable, name: Optional[str] = None, *, result: Optional[C
                                             allow_unused=True) if pairs else [None] * len(fl)
             return [np.zeros(w.shape, w.dtype) if gr is None
                     else _from_host(_from_torch(torch, gr), w) for gr, w in zip(grads, want)]
+        return host
 
-        got = jax.pure_callback(host, want, *leaves, *g_leaves,
-                                vmap_method="sequential") if want else []
+    def kvjp(ops, out, g, **_params):
+        leaves, tree = jax.tree.flatten(ops)
+        g_leaves = jax.tree.leaves(g)
+        n_in = len(leaves)
+        fl = tuple(i for i, x in enumerate(leaves) if is_inexact(x.dtype))
+        want = tuple(jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in fl)
+        got = jax.pure_callback(backward_host(tree, n_in, fl, want), list(want), *leaves,
+                                *g_leaves, vmap_method="sequential") if want else []
         full = [_float0_or_zeros(x) for x in leaves]
         for i, v in zip(fl, got):
             full[i] = v
         return tuple(jax.tree.unflatten(tree, full))
 
-    return Kernel(kname, impl, primitive=primitive, supports=supports, vjp=kvjp)
+    return Kernel(kname, _forward(out_types, forward_host), primitive=primitive,
+                  supports=supports, vjp=kvjp)
