@@ -13,13 +13,13 @@ from peat_jax._src.analyzer.contract import LeafStats, Options, SampleStats, Wor
 from peat_jax._src.analyzer.noise import (DEFAULT_REDUCTION_LENGTH, DISTRIBUTION_MIN_ELEMENTS,
                                           NOISE_FREE_SHARE, ConditioningFloor, NoiseFloor,
                                           RoundingFloor, analyzed_format, distribution_ok)
+from peat_jax._src.analyzer.quantiles import ULP_QUANTILES
 from peat_jax._src.analyzer.signature import (QUANTILES, BlockMatch, Bits, Counts, Errors,
                                               MAX_PERIOD, Permutation, Precision, Ratio, Signature,
                                               Structure, WorstElement)
 from peat_jax._src.formats import FloatFormat
 
 
-_ULP_QUANTILES = (0.5, 0.9, 0.99, 1.0)
 _GRID_SHARE = 0.99          # share of values a grid must hold
 _MIN_BLOCK_PRECISION = 0.5  # block matches reported
 
@@ -91,8 +91,8 @@ def _noise(stats: LeafStats, options: Options, reduction_length: Optional[int],
             reduction_length=reduction_length or DEFAULT_REDUCTION_LENGTH,
             golden_max_abs_error=None, golden_max_ulp_error=None, golden_ulp_quantiles={},
             candidate_ulp_quantiles={}, distribution_ok=None, rms_golden=float(sc.rms))
-    ucq = {f"p{int(100 * p)}": float(v) for p, v in zip(_ULP_QUANTILES, q.candidate_ulp)}
-    ugq = {f"p{int(100 * p)}": float(v) for p, v in zip(_ULP_QUANTILES, q.golden_ulp)}
+    ucq = {f"p{int(100 * p)}": float(v) for p, v in zip(ULP_QUANTILES, q.candidate_ulp)}
+    ugq = {f"p{int(100 * p)}": float(v) for p, v in zip(ULP_QUANTILES, q.golden_ulp)}
     dist_ok = None
     if int(stats.sample.counts.distribution) >= DISTRIBUTION_MIN_ELEMENTS:
         yardstick = ugq if rounding is None else {

@@ -129,10 +129,12 @@ class SampleStats(NamedTuple):
 
     counts: SampleCounts
     histograms: SampleHistograms
-    quantiles: SampleQuantiles
-    ratio: RatioStats
+    quantiles: SampleQuantiles   # None as `sample_program` returns it (computed on the host)
+    ratio: RatioStats            # likewise
     moments: Moments
     grid: GridFit
+    keys: Array = None           # int32 [K, n]: the quantiles' sort keys, unsorted (device
+    #                              side only: `quantiles.with_quantiles` sorts and drops them)
 
 
 class WorstStats(NamedTuple):

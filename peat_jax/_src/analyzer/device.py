@@ -28,6 +28,7 @@ from peat_jax._src.analyzer.contract import (ConditioningStats, LeafScales, Leaf
 from peat_jax._src.analyzer.elements import (Scales, elements, i32, leaf_scales, local_scale_2d,
                                              sample_index, vreduce)
 from peat_jax._src.analyzer.noise import NOISE_FREE_SHARE, analyzed_format
+from peat_jax._src.analyzer.quantiles import with_quantiles
 from peat_jax._src.analyzer.sample import Gathered, gather_sample, sample_stats
 from peat_jax._src.analyzer.structure import permutation, structure
 from peat_jax._src.formats import FloatFormat
@@ -185,7 +186,8 @@ def detail_program(c, g, r, scales: Scales, n_sig, rel_tol, row_cnt, options: Op
 @functools.partial(jax.jit, static_argnames=("options",))
 def sample_program(sample: Gathered, s: Scales, noise_free, options: Options) -> SampleStats:
     """`sample.sample_stats`, compiled once per (dtype, reference or not, options): the sample
-    is padded to ``options.sample_size``, so leaves of every shape share it."""
+    is padded to ``options.sample_size``, so leaves of every shape share it. Its quantiles
+    and ratio statistics are None: `leaf_stats` computes them on the host from its keys."""
     return sample_stats(sample, s, options, analyzed_format(sample.g_vals.dtype), noise_free)
 
 
@@ -204,6 +206,7 @@ def leaf_stats(c, g, r, options: Options, k=None, extent=None) -> LeafStats:
     """
     stats, sample, scales, noise_free, row_cnt = shape_program(c, g, r, options, k, extent)
     stats = to_host(stats._replace(sample=sample_program(sample, scales, noise_free, options)))
+    stats = stats._replace(sample=with_quantiles(stats.sample))
     if stats.whole.significant > 0:
         worst, struct, perm = to_host(detail_program(
             c, g, r, scales, stats.whole.significant, stats.scales.rel_tol, row_cnt, options, k,

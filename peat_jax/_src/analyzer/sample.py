@@ -1,27 +1,23 @@
 """Device side: distribution statistics over the sample (the whole leaf when it is small).
 
 Written as a few stacked reductions (counts and per-bit histograms in one, one-hot histograms in
-another, float sums) and one batched integer sort for every quantile, to keep the compiled
-program small.
+another, float sums), to keep the compiled program small; the quantiles' sort keys are returned
+unsorted (the host sorts them: `quantiles`).
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax.numpy as jnp
 from jax import lax
 
-from peat_jax._src.analyzer.bits import (F32, Operand, bit_length, monotonic_to_float, nonneg_key,
-                                         ranks, signed_key, take)
+from peat_jax._src.analyzer.bits import Operand, bit_length, nonneg_key, signed_key, take
 from peat_jax._src.analyzer.contract import (GridFit, Moments, Options, RatioStats, SampleCounts,
                                              SampleHistograms, SampleQuantiles, SampleStats, view2d)
 from peat_jax._src.analyzer.elements import Elements, Local, Scales, elements, i32, local_scale_flat
-from peat_jax._src.analyzer.signature import QUANTILES
 from peat_jax._src.formats import FloatFormat
 
 
-_ULP_QUANTILES = (0.5, 0.9, 0.99, 1.0)
-_RATIO_RANKS = (0.005, 0.5, 0.995, 1.0)   # p0.5, median, p99.5, max of the ratio
 _LARGE_REL = 1.0 / 16
 _HALF_GRID_ULP = 0.5625                    # 0.5 ULP of the grid, plus the golden's rounding
 
@@ -122,50 +118,23 @@ def _one_hot_histograms(sm: _Sample, f: FloatFormat):
     return oh[0], oh[1], oh[2, :f.mantissa_bits + 1], oh[3, :f.mantissa_bits + 1]
 
 
-def _quantiles(sm: _Sample, counts: SampleCounts, n: int):
-    """`SampleQuantiles` and `RatioStats`: one batched sort of every sort key."""
+def _sort_keys(sm: _Sample):
+    """int32 [K, n]: the sort keys of every quantile (`quantiles.with_quantiles` sorts them on
+    the host), in the rows `quantiles` names: non-negative errors and the ratio c / g; with a
+    reference, the candidate's and the golden's ULP errors against it. Invalid elements and
+    NaNs sort last."""
     el = sm.el
     fin = el.finite
     ratio = jnp.where(sm.ratio_sel, el.cv / jnp.where(sm.ratio_sel, el.gv, 1), 0).astype(
         jnp.float32)
-    # The mismatched elements' relative errors need no sort of their own: a finite element
-    # that matches has relative error exactly 0, so they are the last `mismatched_finite` of
-    # the finite ones in sorted order (`at_mismatched`).
     keys = [nonneg_key(el.err_cg, fin), nonneg_key(sm.rel, fin), nonneg_key(el.ratio, fin),
             signed_key(ratio, sm.ratio_sel)]
-    valid = [counts.finite, counts.finite, counts.finite, counts.ratio_elements]
     if sm.rs is not None:
         rf = sm.rs.astype(jnp.float64)
         okr = sm.dist_sel
         keys += [nonneg_key(el.err / el.ulp, okr),
                  nonneg_key(jnp.abs(el.gv.astype(jnp.float64) - rf) / el.ulp, okr)]
-        valid += [counts.distribution, counts.distribution]
-    srt = jnp.sort(jnp.stack(keys), axis=1)
-
-    def at(i, qs):
-        v = lax.bitcast_convert_type(srt[i][ranks(valid[i], qs, n)], jnp.float32)
-        return jnp.where(valid[i] > 0, v, jnp.nan)
-
-    def at_mismatched(qs):
-        m = counts.mismatched_finite
-        pos = jnp.minimum(counts.finite - m + ranks(m, qs, n), n - 1)
-        return jnp.where(m > 0, lax.bitcast_convert_type(srt[1][pos], jnp.float32), jnp.nan)
-
-    quantiles = SampleQuantiles(
-        abs_error=at(0, QUANTILES), rel_error=at(1, QUANTILES), floor_ratio=at(2, QUANTILES),
-        rel_error_mismatched=at_mismatched((0.5,)),
-        candidate_ulp=None if sm.rs is None else at(4, _ULP_QUANTILES),
-        golden_ulp=None if sm.rs is None else at(5, _ULP_QUANTILES))
-    rq = monotonic_to_float(srt[3][ranks(valid[3], _RATIO_RANKS, n)], F32)
-    rmin = monotonic_to_float(srt[3][0], F32)
-    med = rq[1]
-    scale = jnp.maximum(jnp.abs(med), 1e-30)
-    ok = valid[3] > 0
-    ratio_stats = RatioStats(
-        median=jnp.where(ok, med, jnp.nan),
-        spread=jnp.where(ok, jnp.maximum(rq[3] - med, med - rmin) / scale, jnp.nan),
-        spread_p99=jnp.where(ok, jnp.maximum(rq[2] - med, med - rq[0]) / scale, jnp.nan))
-    return quantiles, ratio_stats
+    return jnp.stack(keys)
 
 
 def _moments(sm: _Sample, counts: SampleCounts) -> Moments:
@@ -273,6 +242,8 @@ def sample_stats(sample: Gathered, s: Scales, options: Options, f: FloatFormat,
         differing_bits=per_bit[0], single_bit=per_bit[1], single_bit_set=per_bit[2],
         golden_bit_set=per_bit[3], ulp=ulp, popcount=popcount, candidate_trailing_zeros=tz_c,
         golden_trailing_zeros=tz_g)
-    quantiles, ratio = _quantiles(sm, counts, cs.shape[0])
-    return SampleStats(counts=counts, histograms=histograms, quantiles=quantiles, ratio=ratio,
-                       moments=_moments(sm, counts), grid=_grid_fit(el, f))
+    # quantiles and ratio: on the host, from the keys (`quantiles.with_quantiles`)
+    return SampleStats(counts=counts, histograms=histograms,
+                       quantiles=cast(SampleQuantiles, None), ratio=cast(RatioStats, None),
+                       moments=_moments(sm, counts), grid=_grid_fit(el, f),
+                       keys=_sort_keys(sm))
