@@ -65,7 +65,6 @@ def test_foreign_matmul_matches_xla_forward_and_backward(which, dtype):
         assert u.dtype == v.dtype and _rel_err(u, v) <= TOL[dtype]
 
 
-@needs_torch
 @pytest.mark.parametrize("which", WHICH)
 def test_an_eager_kernel_compiles_its_callback_once_per_signature(which):
     """Called eagerly (check_kernel runs candidates as given), forward and backward compile
@@ -81,6 +80,7 @@ def test_an_eager_kernel_compiles_its_callback_once_per_signature(which):
     assert names.count("pure_callback") == 4, names   # (forward, backward) x 2 shapes
 
 
+@needs_torch
 def test_bfloat16_round_trips_exactly_through_torch_and_via_float32_through_numpy():
     x = jax.random.normal(jax.random.key(0), (64,)).astype(jnp.bfloat16)
     seen = {}

@@ -12,7 +12,7 @@ rounding errors; the per-element spread of the samples around the float64 result
 
 The perturbation of one result ``y`` (float64), ``u`` the unit roundoff of the equation's own
 dtype in the traced program (float32: ``2**-24``), ``d`` uniform in [-1, 1], drawn per element
-and per equation from a fixed key:
+and per equation from the sample's fixed stream (`uniforms`):
 
 * an elementwise operation rounds its result: ``y * (1 + u * d)``; a transcendental one
   (`TRANSCENDENTAL`: libraries differ by up to an ULP) ``y * (1 + 2 * u * d)``;
