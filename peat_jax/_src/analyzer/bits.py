@@ -148,11 +148,6 @@ def from_monotonic(mono, f: FloatFormat):
     return jnp.where(mono < 0, mag | ut(1 << f.sign_bit), mag).astype(f.uint)
 
 
-def monotonic_to_float(mono, f: FloatFormat):
-    """Inverse of the monotonic map: floats of format `f`."""
-    return lax.bitcast_convert_type(from_monotonic(mono, f), f.dtype)
-
-
 def nonneg_key(v, valid):
     """int32 sort key of non-negative floats (their float32 bit patterns are monotonic); invalid
     and NaN values sort last."""

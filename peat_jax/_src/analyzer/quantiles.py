@@ -3,7 +3,7 @@
 
 The keys are sorted here, in NumPy: XLA:CPU sorts with a compiled comparator called per
 comparison, and the batched sort of 4-6 keys of 8192 elements was about two thirds of
-`sample_program`'s run (1.9 of 3.0 ms on 2 CPU cores) against ~0.15 ms in NumPy; on a GPU
+`sample_program`'s run (1.9 of 3.0 ms on 2 CPU cores) against ~0.3 ms in NumPy; on a GPU
 the keys are one more slice of the same transfer (32-48 KiB per key). The integer keys sort
 the same on either side, and the rank arithmetic is float32's, as it was on the device.
 """
@@ -35,8 +35,9 @@ def _as_float32(keys) -> np.ndarray:
     return np.asarray(keys, np.int32).view(np.float32)
 
 
-def _monotonic_to_float32(mono) -> np.ndarray:
-    """Signed sort keys (`bits.signed_key`: float32's monotonic line) back to their floats."""
+def monotonic_to_float32(mono) -> np.ndarray:
+    """Signed sort keys (`bits.signed_key`: float32's monotonic line) back to their floats
+    (-0 is 0 on the line: it comes back as +0)."""
     mono = np.asarray(mono, np.int32)
     mag = np.abs(mono.astype(np.int64)).astype(np.uint32)
     return np.where(mono < 0, mag | np.uint32(1 << 31), mag).astype(np.uint32).view(np.float32)
@@ -65,8 +66,8 @@ def with_quantiles(s: SampleStats) -> SampleStats:
         rel_error_mismatched=np.where(m > 0, _as_float32(srt[REL_ERROR][pos]), nan),
         candidate_ulp=at(CANDIDATE_ULP, c.distribution, ULP_QUANTILES) if reference else None,
         golden_ulp=at(GOLDEN_ULP, c.distribution, ULP_QUANTILES) if reference else None)
-    rq = _monotonic_to_float32(srt[RATIO][ranks(c.ratio_elements, _RATIO_RANKS, n)])
-    rmin = _monotonic_to_float32(srt[RATIO][0])
+    rq = monotonic_to_float32(srt[RATIO][ranks(c.ratio_elements, _RATIO_RANKS, n)])
+    rmin = monotonic_to_float32(srt[RATIO][0])
     med = rq[1]
     scale = np.maximum(np.abs(med), np.float32(1e-30))
     ok = c.ratio_elements > 0
