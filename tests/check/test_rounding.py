@@ -7,6 +7,7 @@ import pytest
 
 import peat_jax as peat
 from peat_jax._src.analyzer import RoundingFloor, analyze
+from peat_jax._src.counter_random import substream, uniforms64
 from peat_jax._src.errors import PeatError
 from peat_jax._src.judge import ROUNDING_SAMPLES, rounding_samples
 
@@ -258,17 +259,16 @@ def test_check_kernel_differentiates_only_the_positions_asked_for():
 
 
 def test_the_perturbations_are_uniform_and_independent_between_streams():
-    """The uniforms every perturbation draws (SplitMix64 over the element index): in [-1, 1),
-    flat (a chi-square over 32 bins), independent between the substreams of consecutive
-    equations and of two samples, and fixed by the stream."""
-    from peat_jax._src.judge.rounding import substream, uniforms
+    """The uniforms every perturbation draws (`counter_random`: SplitMix64 over the element
+    index): in [-1, 1), flat (a chi-square over 32 bins), independent between the substreams
+    of consecutive equations and of two samples, and fixed by the stream."""
     n = 1 << 16
     with jax.enable_x64(True):
         sample0, sample1 = (substream(jnp.uint64(s), 0) for s in (0, 1))
-        draws = np.asarray(jnp.stack([uniforms(substream(sample0, 1), (n,)),
-                                      uniforms(substream(sample0, 2), (n,)),
-                                      uniforms(substream(sample1, 1), (n,))]))
-        again = np.asarray(uniforms(substream(sample0, 1), (256, n // 256)))
+        draws = np.asarray(jnp.stack([uniforms64(substream(sample0, 1), (n,)),
+                                      uniforms64(substream(sample0, 2), (n,)),
+                                      uniforms64(substream(sample1, 1), (n,))]))
+        again = np.asarray(uniforms64(substream(sample0, 1), (256, n // 256)))
     assert draws.dtype == np.float64 and draws.min() >= -1.0 and draws.max() < 1.0
     np.testing.assert_array_equal(again.reshape(-1), draws[0])
     for d in draws:

@@ -12,7 +12,7 @@ rounding errors; the per-element spread of the samples around the float64 result
 
 The perturbation of one result ``y`` (float64), ``u`` the unit roundoff of the equation's own
 dtype in the traced program (float32: ``2**-24``), ``d`` uniform in [-1, 1], drawn per element
-and per equation from the sample's fixed stream (`uniforms`):
+and per equation from the sample's fixed stream (`counter_random.uniforms64`):
 
 * an elementwise operation rounds its result: ``y * (1 + u * d)``; a transcendental one
   (`TRANSCENDENTAL`: libraries differ by up to an ULP) ``y * (1 + 2 * u * d)``;
@@ -70,10 +70,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 
 from peat_jax._src import _jax
+from peat_jax._src.counter_random import mix64, substream, uniforms64
 from peat_jax._src.formats import is_floating, unit_roundoff
 from peat_jax._src.promote import evaluate
 from peat_jax._src.sites import trace_key
@@ -161,35 +161,6 @@ def _var_key(v):
     return None if isinstance(v, _jax.Literal) else v
 
 
-_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
-"""SplitMix64's increment (2**64 over the golden ratio, odd)."""
-
-
-def _mix64(z):
-    """SplitMix64's finaliser: a bijection of uint64 whose outputs on consecutive inputs pass
-    BigCrush (Steele, Lea and Flood 2014)."""
-    z = (z ^ (z >> jnp.uint64(30))) * jnp.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> jnp.uint64(27))) * jnp.uint64(0x94D049BB133111EB)
-    return z ^ (z >> jnp.uint64(31))
-
-
-def substream(stream, n):
-    """The uint64 stream numbered `n` (an int, or a traced integer: a loop's index) within
-    `stream`."""
-    return _mix64(stream + jnp.asarray(n).astype(jnp.uint64) * jnp.uint64(_GOLDEN_GAMMA))
-
-
-def uniforms(stream, shape) -> Any:
-    """float64 uniforms in [-1, 1) of `shape`, one per element, from the uint64 `stream`:
-    SplitMix64 over the element's index. Counter-based integer arithmetic, not
-    `jax.random`: a VJP perturbs a hundred or more results per sample, and threefry's rounds
-    for each made the program 5x slower to compile and 3x slower to run (an attention's
-    backward, on XLA:CPU); the same draws on every backend."""
-    index = lax.iota(jnp.uint64, math.prod(shape)).reshape(shape)
-    z = _mix64(stream + (index + jnp.uint64(1)) * jnp.uint64(_GOLDEN_GAMMA))
-    return (z >> jnp.uint64(11)).astype(jnp.float64) * 2.0 ** -52 - 1.0
-
-
 class _Perturb:
     """The `promote.Hook` of one Monte Carlo sample: perturbs every rounded result (see the
     module docstring) with uniforms drawn from `stream` (uint64), one substream per
@@ -214,7 +185,7 @@ class _Perturb:
 
     def _uniform(self, shape):
         self.count += 1
-        return uniforms(substream(self.stream, self.count), shape)
+        return uniforms64(substream(self.stream, self.count), shape)
 
     def _operand_uniform(self, v, shape):
         """A uniform per element of an addition's operand `v`, drawn once per element of what
@@ -403,7 +374,7 @@ def monte_carlo(fn: Callable, args: tuple) -> MonteCarlo:
         # the first OPERAND_SCALE_SAMPLES: additions at their operands' scale; then at their
         # result's
         scale = (k[1] < OPERAND_SCALE_SAMPLES).astype(jnp.float64)
-        stream = _mix64((k[0].astype(jnp.uint64) << jnp.uint64(32)) | k[1].astype(jnp.uint64))
+        stream = mix64((k[0].astype(jnp.uint64) << jnp.uint64(32)) | k[1].astype(jnp.uint64))
         outs = evaluate(closed, consts, flat, _Perturb(stream, scale))
         return [x.astype(s.dtype).astype(jnp.float64) if is_floating(s) else x
                 for x, s in zip(outs, shapes)]

@@ -57,9 +57,9 @@ from typing import Any, Callable, Mapping, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from peat_jax._src import formats, taxonomy
+from peat_jax._src.counter_random import mix32, uniforms32
 from peat_jax._src.judge.reference_spread import REFERENCE_SPREAD_FACTOR
 
 
@@ -288,22 +288,13 @@ def pseudo_error_size(site) -> float:
     return formats.float_format(dtype).eps * math.sqrt(max(int(k or 1), 1))
 
 
-def _mix(h: jax.Array) -> jax.Array:
-    """MurmurHash3's 32-bit finaliser (uint32 in, uint32 out; jittable)."""
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * jnp.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
 def pseudo_seed(sample, site_index, output=0) -> jax.Array:
     """The uint32 seed of rounding pseudo-error number `sample` at output `output` of site
     `site_index` (each may be traced): `PSEUDO_SEED`, `sample`, `site_index` and `output`
     mixed in turn by MurmurHash3's finaliser."""
     h = jnp.uint32(PSEUDO_SEED)
     for v in (sample, site_index, output):
-        h = _mix(h ^ jnp.asarray(v).astype(jnp.uint32))
+        h = mix32(h ^ jnp.asarray(v).astype(jnp.uint32))
     return h
 
 
@@ -318,9 +309,7 @@ def pseudo_error(x: jax.Array, seed, rho: float) -> jax.Array:
     if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
         return x
     ft = jnp.promote_types(x.dtype, jnp.float32)
-    i = lax.iota(jnp.uint32, x.size).reshape(x.shape)
-    h = _mix(i * jnp.uint32(0x9E3779B1) ^ jnp.asarray(seed).astype(jnp.uint32))
-    d = (h >> 8).astype(ft) * jnp.asarray(2.0 ** -23, ft) - jnp.asarray(1.0, ft)
+    d = uniforms32(seed, x.shape, ft)
     xf = x.astype(ft)
     finite = jnp.isfinite(xf)
     magnitude = jnp.abs(jnp.where(finite, xf, 0))

@@ -177,7 +177,6 @@ def environment() -> dict[str, Any]:
     dev = jax.devices()[0]
     env = {"jax_default_matmul_precision": current_matmul_precision(),
            "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           # jax.config's flags are attributes set at runtime: mypy cannot see them
            "x64": _jax.x64_enabled(),
            "backend": jax.default_backend(),
            "device_kind": getattr(dev, "device_kind", str(dev))}
