@@ -11,9 +11,11 @@ import jax
 
 
 @contextlib.contextmanager
-def compiles() -> Iterator[list[str]]:
-    """The names of the programs jax compiles inside the block (from its compile log), in
-    order; a program loaded from the persistent cache is named too."""
+def compiles(all_threads: bool = False) -> Iterator[list[str]]:
+    """The names of the programs jax starts to compile inside the block (its compile log:
+    "Compiling jit(...)" is logged when a program is lowered, also where the persistent cache
+    then holds the executable), in order. `all_threads`: also those compiled by other threads
+    meanwhile (jax's global flag; `jax.log_compiles()` sets the calling thread's only)."""
     compiled: list[str] = []
 
     class Compiles(logging.Handler):
@@ -24,8 +26,14 @@ def compiles() -> Iterator[list[str]]:
 
     log, handler = logging.getLogger("jax"), Compiles()
     log.addHandler(handler)
+    was = jax.config.jax_log_compiles
     try:
-        with jax.log_compiles(True):
+        if all_threads:
+            jax.config.update("jax_log_compiles", True)
             yield compiled
+        else:
+            with jax.log_compiles(True):
+                yield compiled
     finally:
+        jax.config.update("jax_log_compiles", was)
         log.removeHandler(handler)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from compile_log import compiles
 
 from peat_jax._src import analyzer as A
 from peat_jax._src._jax import cache_size
@@ -252,30 +252,9 @@ def test_small_shapes_share_one_compiled_program_and_large_ones_reuse_the_sample
     assert cache_size(A.device.shape_program) == shapes + 2
 
 
-class _Compiles(logging.Handler):
-    """Counts the compilations of the analyzer's programs that jax starts (its compile log:
-    "Compiling jit(...)" is logged when a program is lowered, also where the persistent cache
-    then holds the executable)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def emit(self, record):
-        m = re.match(r"Compiling jit\((shape|sample|detail)_program\)", record.getMessage())
-        if m:
-            self.names.append(m.group(1))
-
-    def __enter__(self):
-        logging.getLogger("jax").addHandler(self)
-        # the global flag, not jax.log_compiles(): its context is the calling thread's only
-        self._was = jax.config.jax_log_compiles
-        jax.config.update("jax_log_compiles", True)
-        return self
-
-    def __exit__(self, *exc):
-        jax.config.update("jax_log_compiles", self._was)
-        logging.getLogger("jax").removeHandler(self)
+def _programs(names: list[str]) -> list[str]:
+    """The analyzer's programs among compiled `names`, as "shape", "sample", "detail"."""
+    return [m.group(1) for n in names if (m := re.fullmatch(r"(shape|sample|detail)_program", n))]
 
 
 # a shape no other test analyses, in float16 with a float64 reference: new programs for each test
@@ -292,23 +271,23 @@ def test_concurrent_analyses_of_a_new_shape_compile_its_programs_once():
         start.wait()
         return analyze(g + np.float16(k), g, r)
 
-    with _Compiles() as compiles, ThreadPoolExecutor(3) as pool:
+    with compiles(all_threads=True) as names, ThreadPoolExecutor(3) as pool:
         sigs = list(pool.map(one, range(3)))
     # the two that differ have significant errors: the detail stages too, once
-    assert sorted(compiles.names) == ["detail", "sample", "shape"], compiles.names
+    assert sorted(_programs(names)) == ["detail", "sample", "shape"], names
     assert [s.counts.mismatched for s in sigs][0] == 0
 
 
 def test_compile_ahead_builds_what_analyze_runs_for_those_shapes():
     shape = _FRESH["ahead"]
-    with _Compiles() as ahead:
+    with compiles(all_threads=True) as ahead:
         n = A.compile_ahead([jax.ShapeDtypeStruct(shape, jnp.float16)], reference64=True,
                             conditioning=True)
-    assert n == 1 and sorted(ahead.names) == ["sample", "shape"], ahead.names
+    assert n == 1 and sorted(_programs(ahead)) == ["sample", "shape"], _programs(ahead)
     g = _normal(4, shape, np.float16)
-    with _Compiles() as later:
+    with compiles(all_threads=True) as later:
         analyze(g, g, g.astype(np.float64), conditioning=np.zeros(shape))
-    assert later.names == []
+    assert _programs(later) == []
     assert A.compile_ahead([jax.ShapeDtypeStruct((2,), jnp.int32)], reference64=True,
                            conditioning=True) == 0   # nothing to analyse as floats
     assert A.compile_ahead([jax.ShapeDtypeStruct((64, 64), jnp.float32)], reference64=False,
@@ -331,12 +310,12 @@ def test_detail_stages_are_built_and_run_only_for_a_leaf_with_significant_errors
     calls = []
     real = A.api.leaf_stats
     monkeypatch.setattr(A.api, "leaf_stats", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
-    with _Compiles() as passing:
+    with compiles(all_threads=True) as passing:
         ok = analyze(g, g, r)
-    with _Compiles() as failing:
+    with compiles(all_threads=True) as failing:
         bad = [analyze(c, g, r) for _ in range(2)]
-    assert "shape" in passing.names and "detail" not in passing.names, passing.names
-    assert failing.names == ["detail"], failing.names
+    assert "shape" in _programs(passing) and "detail" not in _programs(passing), passing
+    assert _programs(failing) == ["detail"], _programs(failing)
     assert ok.counts.significant == 0 and bad[0].counts.significant == 1
     assert [w.index for w in bad[0].worst] == [tuple(np.unravel_index(17, shape))]
     (c0, g0, r0, options, *rest), kwargs = calls[0]
