@@ -162,7 +162,9 @@ def signed_key(v, valid):
     return jnp.where(valid & ~d.nan, d.mono, jnp.iinfo(jnp.int32).max)
 
 
-def ranks(n, qs, size: int):
-    """Nearest-rank positions of quantiles `qs` among `n` sorted valid values (of `size`)."""
-    pos = jnp.ceil(jnp.asarray(qs, jnp.float32) * n).astype(jnp.int32) - 1
-    return jnp.clip(pos, 0, size - 1)
+def ranks(n, qs, size: int, xp: Any = jnp):
+    """Nearest-rank positions (int32) of quantiles `qs` among `n` sorted valid values (of
+    `size`), in float32 arithmetic: `xp` is `jax.numpy` on the device (`n` may be traced) or
+    `numpy` on the host (`quantiles`), which then give the same positions."""
+    pos = xp.ceil(xp.asarray(qs, xp.float32) * xp.asarray(n).astype(xp.float32)).astype(xp.int32)
+    return xp.clip(pos - 1, 0, size - 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from peat_jax._src.analyzer.bits import ranks
 from peat_jax._src.analyzer.contract import RatioStats, SampleQuantiles, SampleStats
 from peat_jax._src.analyzer.signature import QUANTILES
 
@@ -21,13 +22,6 @@ _RATIO_RANKS = (0.005, 0.5, 0.995, 1.0)   # p0.5, median, p99.5, max of the rati
 
 # rows of `SampleStats.keys`, in order (`sample._sort_keys`)
 ABS_ERROR, REL_ERROR, FLOOR_RATIO, RATIO, CANDIDATE_ULP, GOLDEN_ULP = range(6)
-
-
-def ranks(n, qs, size: int) -> np.ndarray:
-    """Nearest-rank positions of quantiles `qs` among `n` sorted valid values (of `size`), in
-    float32 arithmetic as `bits.ranks` computes them on the device."""
-    pos = np.ceil(np.asarray(qs, np.float32) * np.float32(n)).astype(np.int32) - 1
-    return np.clip(pos, 0, size - 1)
 
 
 def _as_float32(keys) -> np.ndarray:
@@ -51,13 +45,13 @@ def with_quantiles(s: SampleStats) -> SampleStats:
     nan = np.float32(np.nan)
 
     def at(row, valid, qs):
-        v = _as_float32(srt[row][ranks(valid, qs, n)])
+        v = _as_float32(srt[row][ranks(valid, qs, n, np)])
         return np.where(valid > 0, v, nan)
 
     # a finite element that matches has relative error exactly 0, so the mismatched ones are
     # the last `mismatched_finite` of the finite ones in sorted order
     m = c.mismatched_finite
-    pos = np.minimum(c.finite - m + ranks(m, (0.5,), n), n - 1)
+    pos = np.minimum(c.finite - m + ranks(m, (0.5,), n, np), n - 1)
     reference = len(srt) > RATIO + 1
     quantiles = SampleQuantiles(
         abs_error=at(ABS_ERROR, c.finite, QUANTILES),
@@ -66,7 +60,7 @@ def with_quantiles(s: SampleStats) -> SampleStats:
         rel_error_mismatched=np.where(m > 0, _as_float32(srt[REL_ERROR][pos]), nan),
         candidate_ulp=at(CANDIDATE_ULP, c.distribution, ULP_QUANTILES) if reference else None,
         golden_ulp=at(GOLDEN_ULP, c.distribution, ULP_QUANTILES) if reference else None)
-    rq = monotonic_to_float32(srt[RATIO][ranks(c.ratio_elements, _RATIO_RANKS, n)])
+    rq = monotonic_to_float32(srt[RATIO][ranks(c.ratio_elements, _RATIO_RANKS, n, np)])
     rmin = monotonic_to_float32(srt[RATIO][0])
     med = rq[1]
     scale = np.maximum(np.abs(med), np.float32(1e-30))
