@@ -138,6 +138,37 @@ def test_single_flip_found_at_the_right_element_and_bit(dtype, bit, klass):
     assert s.errors.max_ulp == _ulp_np(c, g).max()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16, np.float64])
+def test_bit_histograms_count_every_position(dtype):
+    """The bit histograms (summed eight bits at a time on the device) equal NumPy's counts:
+    differing bits of the mismatched elements by position and by number, golden bits set among
+    the finite ones, over a sample holding the whole leaf, non-finite elements included."""
+    g = _normal(2, (40, 50), dtype)
+    c = g.copy()
+    flat_c, flat_g = c.reshape(-1), g.reshape(-1)
+    width = np.dtype(dtype).itemsize * 8
+    uint = {16: np.uint16, 32: np.uint32, 64: np.uint64}[width]
+    rng = np.random.default_rng(3)
+    for i in rng.choice(flat_c.size, 300, replace=False):     # 1-3 random bits per element
+        bits = rng.choice(width, rng.integers(1, 4), replace=False)
+        mask = sum(uint(1) << uint(b) for b in bits)
+        flat_c[i:i + 1].view(uint)[0] ^= mask
+    flat_g[[7, 8]] = [np.inf, np.nan]
+    cb, gb = c.reshape(-1).view(uint), g.reshape(-1).view(uint)
+    pos = np.arange(width, dtype=uint)
+    differing = cb != gb
+    finite = np.isfinite(c.reshape(-1)) & np.isfinite(g.reshape(-1))
+    with jax.enable_x64(width == 64):     # a float64 leaf is analysed as one under x64
+        s = analyze(c, g)
+    assert s.counts.mismatched == differing.sum()
+    per_bit = lambda words: ((words[:, None] >> pos) & uint(1)).sum(0).tolist()  # noqa: E731
+    assert list(s.bits.histogram) == per_bit((cb ^ gb)[differing])
+    assert list(s.bits.golden_bit_set) == per_bit(gb[finite])
+    assert s.bits.finite == finite.sum()
+    popcounts = ((cb ^ gb)[differing][:, None] >> pos & uint(1)).sum(1)
+    assert list(s.bits.popcount_histogram) == np.bincount(popcounts, minlength=width + 1).tolist()
+
+
 @pytest.mark.slow
 def test_float64_noise_floor_passes_reduction_order_and_flags_bf16_inputs():
     a = jax.random.normal(jax.random.key(0), (16, 200))

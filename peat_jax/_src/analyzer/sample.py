@@ -1,7 +1,7 @@
 """Device side: distribution statistics over the sample (the whole leaf when it is small).
 
-Written as a few stacked reductions (counts and per-bit histograms in one, one-hot histograms in
-another, float sums), to keep the compiled program small; the quantiles' sort keys are returned
+Written as a few stacked reductions (every count and histogram in one over uint32 words, float
+sums), to keep the compiled program small; the quantiles' sort keys are returned
 unsorted (the host sorts them: `quantiles`).
 """
 from __future__ import annotations
@@ -62,9 +62,12 @@ def _sample(el: Elements, rs, s: Scales, f: FloatFormat, noise_free) -> _Sample:
         slope_sel=el.mismatched & el.finite & (el.err_cg > 0) & g_normal, dist_sel=dist_sel)
 
 
-def _counts_and_bit_histograms(sm: _Sample, f: FloatFormat):
-    """`SampleCounts` and the per-bit-position histograms, in one reduction (the count masks
-    packed as the bits of one flag word per element)."""
+def _counts_and_histograms(sm: _Sample, f: FloatFormat):
+    """`SampleCounts`, the per-bit-position histograms [4, f.bits] and the one-hot histograms
+    (ulp, popcount, candidate and golden trailing zeros), in one reduction (`bit_counts`) over
+    uint32 words: the count masks packed as the bits of one flag word per element, the
+    patterns (two words each for a 64-bit format) masked to the elements each histogram
+    counts, and each small value v as the bit v of its one-hot words."""
     el, dc, dg = sm.el, sm.el.dc, sm.el.dg
     sig, fin = el.significant, el.finite
     both = fin & sm.nonzero
@@ -76,46 +79,62 @@ def _counts_and_bit_histograms(sm: _Sample, f: FloatFormat):
         large_rel_significant=sig & (~fin | (sm.rel >= _LARGE_REL)), significant_finite=sig & fin,
         slope_elements=sm.slope_sel, mismatched_finite=el.mismatched & fin,
         ratio_elements=sm.ratio_sel, distribution=sm.dist_sel)
-    ut = f.wide_uint
     flags = sum(m.astype(jnp.uint32) << jnp.uint32(k) for k, m in enumerate(masks))
-    pos = jnp.arange(f.bits, dtype=ut)[:, None]
-
-    # one row per count / bit position, the elements along the minor axis: XLA:CPU vectorises
-    # row reductions, not column ones
-    def bit(v):
-        return (v[None, :] >> pos) & ut(1)
-
-    def masked(b, m):
-        return (b * m.astype(ut)[None, :]).astype(jnp.uint32)
-
-    xhb = bit(sm.x_hi)
-    rows = jnp.concatenate([
-        (flags[None, :] >> jnp.arange(len(masks), dtype=jnp.uint32)[:, None]) & jnp.uint32(1),
-        masked(bit(sm.x), el.mismatched), masked(xhb, sm.single),
-        masked(xhb * bit(dc.pattern), sm.single), masked(bit(dg.pattern), fin)], axis=0)
-    tot = jnp.sum(rows.astype(jnp.int32), axis=1)
-    k0 = len(masks)
-    counts = SampleCounts(*(tot[i] for i in range(k0)))
-    return counts, tot[k0:].reshape(4, f.bits)
+    ut = f.wide_uint
+    patterns = [jnp.where(m, v, ut(0)) for v, m in (
+        (sm.x, el.mismatched), (sm.x_hi, sm.single), (sm.x_hi & dc.pattern, sm.single),
+        (dg.pattern, fin))]
+    if f.wide_bits == 64:   # each pattern as its low and high 32-bit words
+        patterns = [w for v in patterns for w in (v.astype(jnp.uint32),
+                                                   (v >> ut(32)).astype(jnp.uint32))]
+    one_hot = _one_hot_words(sm, f)
+    tot = bit_counts(jnp.stack([flags] + patterns + one_hot))
+    counts = SampleCounts(*(tot[0, i] for i in range(len(masks))))
+    per_bit = tot[1:1 + len(patterns)].reshape(4, f.wide_bits)[:, :f.bits]
+    oh = tot[1 + len(patterns):].reshape(4, -1)
+    mant = f.mantissa_bits + 1
+    return counts, per_bit, (oh[0, :f.bits + 1], oh[1, :f.bits + 1], oh[2, :mant], oh[3, :mant])
 
 
-def _one_hot_histograms(sm: _Sample, f: FloatFormat):
-    """(ulp, popcount, candidate trailing zeros, golden trailing zeros) histograms, in one
-    reduction."""
+def _one_hot_words(sm: _Sample, f: FloatFormat) -> list:
+    """uint32 [n] words, ceil((f.bits + 1) / 32) for each of the ulp bit length, the popcount
+    of the differing bits and the candidate's and golden's trailing zeros (values 0..f.bits):
+    value v sets bit v % 32 of its word v // 32, where the histogram counts the element."""
     dc, dg = sm.el.dc, sm.el.dg
 
     def trailing_zeros(d):
         m = d.mantissa.astype(jnp.int32)
         return jnp.minimum(lax.population_count((m & -m) - 1), f.mantissa_bits)
 
-    vals = jnp.stack([bit_length(sm.el.ulp_dist, f),
-                      lax.population_count(sm.x).astype(jnp.int32),
-                      trailing_zeros(dc), trailing_zeros(dg)])
-    ok = jnp.stack([~dc.nan & ~dg.nan, sm.el.mismatched, (dc.exponent > 0) & ~dc.nonfinite,
-                    (dg.exponent > 0) & ~dg.nonfinite])
-    buckets = jnp.arange(f.bits + 1, dtype=jnp.int32)[None, :, None]
-    oh = jnp.sum(((vals[:, None, :] == buckets) & ok[:, None, :]).astype(jnp.int32), axis=2)
-    return oh[0], oh[1], oh[2, :f.mantissa_bits + 1], oh[3, :f.mantissa_bits + 1]
+    vals = [bit_length(sm.el.ulp_dist, f), lax.population_count(sm.x).astype(jnp.int32),
+            trailing_zeros(dc), trailing_zeros(dg)]
+    ok = [~dc.nan & ~dg.nan, sm.el.mismatched, (dc.exponent > 0) & ~dc.nonfinite,
+          (dg.exponent > 0) & ~dg.nonfinite]
+    words = -(-(f.bits + 1) // 32)
+    one = jnp.uint32(1)
+    return [jnp.where(k & (v >> 5 == j), one << (v & 31).astype(jnp.uint32), jnp.uint32(0))
+            for v, k in zip(vals, ok) for j in range(words)]
+
+
+_LANES = 0x01010101   # bit 0 of each byte of a uint32
+_BLOCK = 128          # elements summed per byte lane: each lane's sum stays below 256
+
+
+def bit_counts(words):
+    """int32 [S, 32]: for each row of uint32 `words` [S, n], how many of its words have each
+    bit set (column p: bit p).
+
+    Eight bits at a time (SWAR): shifted right by s and masked to bit 0 of each byte, a word's
+    bytes hold its bits s, s + 8, s + 16, s + 24, and the sum of 128 such words holds each
+    bit's count in its own byte, without carries. That is 8 shifts and masks per word, not 32,
+    summed along the minor axis (XLA:CPU vectorises row reductions)."""
+    s, n = words.shape
+    words = jnp.pad(words, ((0, 0), (0, -n % _BLOCK))).reshape(s, 1, -1, _BLOCK)
+    shifts = jnp.arange(8, dtype=jnp.uint32)[None, :, None, None]
+    blocks = jnp.sum((words >> shifts) & jnp.uint32(_LANES), axis=3, dtype=jnp.uint32)
+    lanes = (blocks[..., None] >> (jnp.uint32(8) * jnp.arange(4, dtype=jnp.uint32))) & 0xFF
+    per_shift = jnp.sum(lanes.astype(jnp.int32), axis=2)        # [S, shift s, byte k]
+    return jnp.swapaxes(per_shift, 1, 2).reshape(s, 32)        # column 8 k + s
 
 
 def _sort_keys(sm: _Sample):
@@ -236,8 +255,7 @@ def sample_stats(sample: Gathered, s: Scales, options: Options, f: FloatFormat,
     eloc = None if sample.noise is None else Local(sample.noise, sample.conditioning)
     el = elements(cs, gs, rs, s, options, f, eloc)
     sm = _sample(el, rs, s, f, noise_free)
-    counts, per_bit = _counts_and_bit_histograms(sm, f)
-    ulp, popcount, tz_c, tz_g = _one_hot_histograms(sm, f)
+    counts, per_bit, (ulp, popcount, tz_c, tz_g) = _counts_and_histograms(sm, f)
     histograms = SampleHistograms(
         differing_bits=per_bit[0], single_bit=per_bit[1], single_bit_set=per_bit[2],
         golden_bit_set=per_bit[3], ulp=ulp, popcount=popcount, candidate_trailing_zeros=tz_c,
