@@ -169,6 +169,19 @@ def test_bit_histograms_count_every_position(dtype):
     assert list(s.bits.popcount_histogram) == np.bincount(popcounts, minlength=width + 1).tolist()
 
 
+@pytest.mark.parametrize("leaf,narrow", [
+    (np.float64, np.float32), (np.float64, np.float16), (np.float64, ml_dtypes.bfloat16),
+    (np.float32, np.float16), (np.float32, ml_dtypes.bfloat16)])
+def test_a_candidate_on_a_narrower_grid_is_read_as_one(leaf, narrow):
+    """The candidate's trailing zero mantissa bits say which grid it lies on, also where that
+    leaves more than 32 of a float64 mantissa's bits zero (a bfloat16 result: 45)."""
+    g = _normal(4, (40, 50), leaf)
+    with jax.enable_x64(leaf == np.float64):
+        s = analyze(g.astype(narrow).astype(leaf), g)
+    assert s.precision.candidate_grid_bits == np.finfo(narrow).nmant
+    assert s.precision.golden_grid_bits == np.finfo(leaf).nmant
+
+
 @pytest.mark.slow
 def test_float64_noise_floor_passes_reduction_order_and_flags_bf16_inputs():
     a = jax.random.normal(jax.random.key(0), (16, 200))

@@ -103,8 +103,8 @@ def _one_hot_words(sm: _Sample, f: FloatFormat) -> list:
     dc, dg = sm.el.dc, sm.el.dg
 
     def trailing_zeros(d):
-        m = d.mantissa.astype(jnp.int32)
-        return jnp.minimum(lax.population_count((m & -m) - 1), f.mantissa_bits)
+        m = d.mantissa.astype(f.wide_int)   # a float64 mantissa's 52 bits need 64
+        return jnp.minimum(lax.population_count((m & -m) - 1), f.mantissa_bits).astype(jnp.int32)
 
     vals = [bit_length(sm.el.ulp_dist, f), lax.population_count(sm.x).astype(jnp.int32),
             trailing_zeros(dc), trailing_zeros(dg)]
