@@ -182,6 +182,18 @@ def test_a_candidate_on_a_narrower_grid_is_read_as_one(leaf, narrow):
     assert s.precision.golden_grid_bits == np.finfo(leaf).nmant
 
 
+def test_a_float64_leafs_worst_elements_carry_float64_values():
+    """Values and floors below float32's range (a float64 leaf at 1e-200) are reported as
+    they are, not as float32's zeros."""
+    g = _normal(6, (8, 16), np.float64) * 1e-200
+    c = g.copy()
+    c[3, 5] = g[3, 5] * 4 + 1e-200
+    with jax.enable_x64(True):
+        (w,) = analyze(c, g).worst
+    assert w.index == (3, 5) and (w.candidate, w.golden) == (c[3, 5], g[3, 5])
+    assert 0 < w.floor < abs(c[3, 5] - g[3, 5])
+
+
 @pytest.mark.slow
 def test_float64_noise_floor_passes_reduction_order_and_flags_bf16_inputs():
     a = jax.random.normal(jax.random.key(0), (16, 200))

@@ -144,10 +144,10 @@ class WorstStats(NamedTuple):
     score: Array               # error / floor (inf: non-finite; -1: not significant)
     candidate_bits: Array      # bit patterns (unsigned)
     golden_bits: Array
-    candidate: Array           # values, float32
+    candidate: Array           # values, float32 (float64 for a float64 leaf)
     golden: Array
     noise_bits: Array          # bit length of floor / ULP
-    floor: Array               # output units, float32
+    floor: Array               # output units, float32 (float64 for a float64 leaf)
 
 
 class StructureStats(NamedTuple):

@@ -51,8 +51,8 @@ def _worst(c2, g2, r2, row_score, s: Scales, options: Options, f: FloatFormat,
     return WorstStats(
         index=(rows[pos // C] * C + pos % C).astype(jnp.int32), score=score,
         candidate_bits=at(sub.dc.pattern), golden_bits=at(sub.dg.pattern),
-        candidate=at(sub.cv).astype(jnp.float32), golden=at(sub.gv).astype(jnp.float32),
-        noise_bits=at(sub.noise_bits), floor=at(sub.floor).astype(jnp.float32))
+        candidate=at(sub.cv).astype(f.compute_dtype), golden=at(sub.gv).astype(f.compute_dtype),
+        noise_bits=at(sub.noise_bits), floor=at(sub.floor).astype(f.compute_dtype))
 
 
 def _dense_columns(c2, g2, r2, s: Scales, options: Options, f: FloatFormat):
