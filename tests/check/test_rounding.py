@@ -74,6 +74,37 @@ def test_a_sum_that_cancels_has_a_floor_at_the_scale_of_its_terms():
     assert np.all(spread > 0.1 * 2.0 ** -24 * scale) and np.all(spread < 30 * 2.0 ** -24 * scale)
 
 
+@pytest.mark.parametrize("op", ["sum", "add"])
+def test_float64_terms_near_overflow_that_cancel_have_a_floor_at_their_scale(op):
+    """Terms near the top of float64's range, whose squares overflow it, that cancel (to 0, or
+    to a rounding of theirs): the floor is rounding at the terms' scale, as for terms of any
+    size (the test above), not at the result's."""
+    unit = RNG.standard_normal((8, 16))
+    half = unit * 2.0 ** 900
+    x = np.concatenate([half, -half[:, ::-1]], axis=1)
+    fn = {"sum": lambda v: jnp.sum(v, axis=1), "add": lambda v: v + v[:, ::-1]}[op]
+    with jax.enable_x64(True):
+        samples = np.asarray(rounding_samples(fn, (jnp.asarray(x),), seed=0))
+        r64 = np.asarray(fn(jnp.asarray(x)))
+    assert np.isfinite(samples).all()
+    terms = (np.sqrt((unit ** 2).sum(axis=1)) if op == "sum" else np.abs(unit).min(axis=1))
+    spread = _spread(samples, r64).reshape(8, -1).max(axis=1)
+    assert np.all(spread > 0.1 * 2.0 ** -53 * terms * 2.0 ** 900), (spread, terms)
+
+
+def test_a_float64_matmul_in_another_order_passes_near_overflow():
+    """`a.T @ a` against an einsum in float64, on every variant: near_overflow's products have
+    squares past float64's range, which gave a floor of 0 there."""
+    x = np.random.default_rng(0).standard_normal((16, 64))
+    was = jax.config.jax_enable_x64   # the global flag: check_kernel's threads read it
+    jax.config.update("jax_enable_x64", True)
+    try:
+        d = peat.check_kernel(lambda v: v.T @ v, lambda v: jnp.einsum("ki,kj->ij", v, v), x)
+    finally:
+        jax.config.update("jax_enable_x64", was)
+    assert d.passed, d.summary
+
+
 def _saturated_ds(a, b, p):
     """dS = P (dP - rowsum(P dP)) with dP = a @ b, as a softmax's backward forms it."""
     dp = a @ b

@@ -114,32 +114,40 @@ TRANSCENDENTAL = frozenset({
 
 
 def _terms(eqn, invals) -> tuple[Any, int]:
-    """(sum of the squared terms, K) of a `SUMMING` equation's first output: the same op on
-    the squared operands."""
+    """(root of the sum of the squared terms, K) of a `SUMMING` equation's first output: the
+    same op on the squared operands, each operand scaled by a power of two first so that the
+    squares of terms near the float64 range do not overflow (exact: the scales come out as
+    one power of two)."""
     name, p = eqn.primitive.name, eqn.params
     shapes = [np.shape(x) for x in invals]
-    if name == "dot_general":
-        (lc, _), _ = p["dimension_numbers"]
-        k = math.prod(shapes[0][d] for d in lc)
-        sq = _jax.bind(eqn, [invals[0] * invals[0], invals[1] * invals[1]],
+    if name in ("add", "sub", "add_any"):
+        e = jnp.maximum(_exponent(invals[0]), _exponent(invals[1]))
+        a, b = (jnp.ldexp(x, -e) for x in invals)
+        return jnp.ldexp(jnp.sqrt(a * a + b * b), e), 2
+    scaled = [jnp.ldexp(x, -_exponent(x)) if is_floating(x) else x for x in invals]
+    e = sum(_exponent(x) for x in invals if is_floating(x))
+    if name in ("dot_general", "conv_general_dilated"):
+        if name == "dot_general":
+            (lc, _), _ = p["dimension_numbers"]
+            k = math.prod(shapes[0][d] for d in lc)
+        else:
+            rhs, out_feature = shapes[1], p["dimension_numbers"].rhs_spec[0]
+            k = math.prod(rhs) // max(rhs[out_feature], 1)
+        sq = _jax.bind(eqn, [scaled[0] * scaled[0], scaled[1] * scaled[1]],
                        **({"preferred_element_type": jnp.dtype(jnp.float64)}
                           if p.get("preferred_element_type") is not None else {}))[0]
-    elif name == "conv_general_dilated":
-        rhs, out_feature = shapes[1], p["dimension_numbers"].rhs_spec[0]
-        k = math.prod(rhs) // max(rhs[out_feature], 1)
-        sq = _jax.bind(eqn, [invals[0] * invals[0], invals[1] * invals[1]],
-                       **({"preferred_element_type": jnp.dtype(jnp.float64)}
-                          if p.get("preferred_element_type") is not None else {}))[0]
-    elif name in ("add", "sub", "add_any"):
-        k = 2
-        sq = invals[0] * invals[0] + invals[1] * invals[1]
-    elif name == "reduce_sum":
-        k = math.prod(shapes[0][a] for a in p["axes"])
-        sq = _jax.bind(eqn, [invals[0] * invals[0]])[0]
-    else:   # cumsum
-        k = shapes[0][p["axis"]]
-        sq = _jax.bind(eqn, [invals[0] * invals[0]])[0]
-    return sq, max(int(k), 1)
+    else:   # reduce_sum, cumsum
+        k = (math.prod(shapes[0][a] for a in p["axes"]) if name == "reduce_sum"
+             else shapes[0][p["axis"]])
+        sq = _jax.bind(eqn, [scaled[0] * scaled[0]])[0]
+    return jnp.ldexp(jnp.sqrt(sq), e), max(int(k), 1)
+
+
+def _exponent(x):
+    """int32: the binary exponent of `x`'s largest finite magnitude (0 for none)."""
+    a = jnp.abs(x)
+    m = jnp.max(jnp.where(jnp.isfinite(a), a, 0), initial=0)
+    return jnp.frexp(m)[1].astype(jnp.int32)
 
 
 _ADDITIONS = frozenset({"add", "sub", "add_any"})
@@ -257,7 +265,7 @@ class _Perturb:
 
     def _summed(self, eqn, invals, y, u):
         """(y perturbed, the size of its own rounding) for a `SUMMING` equation's output."""
-        sq, k = _terms(eqn, invals)
+        root, k = _terms(eqn, invals)
         depth = math.sqrt(math.log2(k) + 1)
         if eqn.primitive.name in _ADDITIONS:
             # another order rounds each operand's part at its own scale; another algorithm
@@ -278,11 +286,11 @@ class _Perturb:
             shift = u * depth * jnp.abs(y) * self._uniform(y.shape) + parts
         else:
             shift = u * depth * (jnp.abs(y) * self._uniform(y.shape) +
-                                 jnp.sqrt(sq) * self._uniform(y.shape))
+                                 root * self._uniform(y.shape))
         # a term that is not finite leaves the result as it is (an infinite mask value, an
         # overflow): rounding moves nothing there
         y = y + jnp.where(jnp.isfinite(shift), shift, 0.0)
-        return y, u * depth * jnp.sqrt(y * y + sq)
+        return y, u * depth * jnp.hypot(y, root)
 
     def _keep(self, eqn, carried, own) -> None:
         """Record the first output's accumulated rounding: what its operands carried into it
