@@ -114,16 +114,14 @@ TRANSCENDENTAL = frozenset({
 
 
 def _terms(eqn, invals) -> tuple[Any, int]:
-    """(root of the sum of the squared terms, K) of a `SUMMING` equation's first output: the
-    same op on the squared operands, each operand scaled by a power of two first so that the
-    squares of terms near the float64 range do not overflow (exact: the scales come out as
-    one power of two)."""
+    """(root of the sum of the squared terms, K) of a `SUMMING` equation's first output: for an
+    addition `hypot` of its operands; otherwise the same op on the squared operands, each
+    scaled by a power of two first so that the squares of terms near the float64 range do not
+    overflow (exact: the scales come out as one power of two)."""
     name, p = eqn.primitive.name, eqn.params
     shapes = [np.shape(x) for x in invals]
     if name in ("add", "sub", "add_any"):
-        e = jnp.maximum(_exponent(invals[0]), _exponent(invals[1]))
-        a, b = (jnp.ldexp(x, -e) for x in invals)
-        return jnp.ldexp(jnp.sqrt(a * a + b * b), e), 2
+        return jnp.hypot(invals[0], invals[1]), 2
     scaled = [jnp.ldexp(x, -_exponent(x)) if is_floating(x) else x for x in invals]
     e = sum(_exponent(x) for x in invals if is_floating(x))
     if name in ("dot_general", "conv_general_dilated"):
