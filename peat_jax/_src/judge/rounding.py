@@ -122,8 +122,9 @@ def _terms(eqn, invals) -> tuple[Any, int]:
     shapes = [np.shape(x) for x in invals]
     if name in ("add", "sub", "add_any"):
         return jnp.hypot(invals[0], invals[1]), 2
-    scaled = [jnp.ldexp(x, -_exponent(x)) if is_floating(x) else x for x in invals]
-    e = sum(_exponent(x) for x in invals if is_floating(x))
+    exps = [_exponent(x) if is_floating(x) else 0 for x in invals]
+    scaled = [jnp.ldexp(x, -e) if is_floating(x) else x for x, e in zip(invals, exps)]
+    e = sum(exps)
     if name in ("dot_general", "conv_general_dilated"):
         if name == "dot_general":
             (lc, _), _ = p["dimension_numbers"]
