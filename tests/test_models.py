@@ -235,6 +235,7 @@ def test_state_layout_and_tree_round_trip(name, trained):
     assert not np.array_equal(_key_data(state), _key_data(state0))  # the rng advances
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_init_is_deterministic_in_the_key(name):
     wl = _tiny(name)

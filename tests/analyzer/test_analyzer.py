@@ -62,6 +62,7 @@ def test_identical_arrays_are_exact():
     assert s.noise.kind == "dtype_bound"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
 def test_a_finite_candidate_where_the_reference_is_nan_in_float64_too_is_unjudged(dtype):
     """Where the golden is not finite, a finite candidate is judged by the float64 reference;

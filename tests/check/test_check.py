@@ -103,7 +103,8 @@ def wrong_forward_rule(a, b):
 wrong_forward_rule.defvjp(lambda a, b: ((a @ b) * 1.5, (a, b)), _bwd_right)
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jitted"])
+@pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["eager", "jitted"])
 def test_the_plain_call_and_the_forward_under_vjp_are_both_checked(jit):
     """A custom VJP computes its output twice: the plain call (inference) and the forward rule
     (what training sees under jax.grad). Either one wrong fails its own check, jitted (forward

@@ -168,6 +168,7 @@ def test_flax_attention_layer_is_a_site_and_a_kernel_replaces_it_forward_and_bac
     assert not _passes(outs["x1.01"], golden)
 
 
+@pytest.mark.slow
 def test_jax_attention_with_is_causal_reaches_the_kernel_and_a_kernel_without_it_skips():
     w, x = _wx()
     step = jax.grad(library_attention)

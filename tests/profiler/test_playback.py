@@ -51,6 +51,7 @@ def test_fault_at_one_backward_site_is_found_there_only(run):
     assert res.first_divergence() == failing[0]
 
 
+@pytest.mark.slow
 def test_candidate_wrong_on_large_activations_fails_only_in_later_checkpoints(run):
     def saturating(a, b, **params):  # correct until |out| > 3, then clipped
         return jnp.clip(jax.lax.dot_general(a, b, **params), -3.0, 3.0)

@@ -108,6 +108,7 @@ def test_runtime_correct_kernel_is_masked(golden):
     assert stored["outcome"] == "masked"
 
 
+@pytest.mark.slow
 def test_runtime_nan_at_a_step_is_immediate(golden):
     _, run = golden
     r = runtime(run, {"fwd:dot_general": peat.faults.nan_inf()}, peat.at_steps([7]), steps=12)

@@ -172,6 +172,7 @@ def test_compare_needs_statistics(runs):
         peat.compare(runs["plain"], runs["ref"])
 
 
+@pytest.mark.slow
 def test_profile_cli_trains_with_a_fault_in_place(tmp_path, capsys):
     run = tmp_path / "run"
     rc = cli.main(["profile", "vision", "--out", str(run), "--steps", "2", "--checkpoint-every",

@@ -93,6 +93,7 @@ class DropoutMLP(nn.Module):
         return nn.Dense(3)(h)
 
 
+@pytest.mark.slow
 def test_flax_linen_model_with_stacked_batches_and_dropout_replays_bitwise(tmp_path):
     rng = np.random.default_rng(0)
     xs = rng.standard_normal((5, 8, 4)).astype(np.float32)          # 5 batches of 8
@@ -355,6 +356,7 @@ peat.register_workload("wf_ln", make)
 '''
 
 
+@pytest.mark.slow
 def test_a_region_kernel_goes_to_its_regions_without_sites(tmp_path, monkeypatch, capsys):
     """`peat playback --kernel` of a kernel that declares its region (flax_layer_norm:
     flax.linen.LayerNorm) intercepts that class and plays back at its sites, forward and

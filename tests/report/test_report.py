@@ -34,6 +34,7 @@ def test_user_strings_are_escaped(run):
     assert "<script" not in page  # no script of any kind: the page is static
 
 
+@pytest.mark.slow
 def test_report_lists_verdicts_and_runtime_curves(run):
     peat.playback(run, {"fwd:dot_general": _doubling("twice")}, checkpoints=[3], name="twice")
     peat.runtime(run, {"dot_general": peat.faults.wrong_scale(1.0)}, peat.every(2), steps=6,
