@@ -655,3 +655,55 @@ def test_a_norm_with_another_eps_is_a_per_row_scale_whatever_its_bias(rows, n, b
     d = check_kernel(_layer_norm(1e-5), _layer_norm(1e-6), x, scale, b, variants="example",
                      backward=False, repeats=1)
     assert not d.passed and d.model == "wrong_scale", d.summary
+
+
+@pytest.fixture
+def x64():
+    """jax's global x64 flag on for one test (check_kernel's analysis threads read the global
+    flag, not a calling thread's ``jax.enable_x64`` context)."""
+    was = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", was)
+
+
+def _softmax_port(x):
+    e = jnp.exp(x - jnp.max(x, -1, keepdims=True))
+    return e / jnp.sum(e, -1, keepdims=True)
+
+
+def _logsumexp_port(x):
+    m = jnp.max(x, -1, keepdims=True)
+    return (m + jnp.log(jnp.sum(jnp.exp(x - m), -1, keepdims=True)))[..., 0]
+
+
+@pytest.mark.parametrize("port,reference", [(_softmax_port, jax.nn.softmax),
+                                            (_logsumexp_port, lambda x: jax.nn.logsumexp(x, -1))],
+                         ids=["softmax", "logsumexp"])
+def test_a_correct_float64_port_passes_judged_by_the_dtype_bound(x64, port, reference):
+    """A float64 output has no wider reference: its float64 evaluation is the golden itself,
+    whose floor of 0 called another correct rounding of softmax's gradient an error. Such
+    outputs are judged by the dtype bound, and the verdict says so."""
+    x = np.random.default_rng(0).standard_normal((8, 32))
+    d = check_kernel(jax.jit(port), jax.jit(reference), x, variants=("example", "odd_shape"),
+                     repeats=1)
+    assert d.passed, d.summary
+    assert "returns float64 already" in d.summary
+
+
+@pytest.mark.parametrize("bug", ["float32_accumulation", "one_element_doubled"])
+def test_a_float64_kernel_with_a_bug_still_fails(x64, bug):
+    a = np.random.default_rng(0).standard_normal((16, 64))
+
+    def candidate(v):
+        if bug == "float32_accumulation":
+            v32 = v.astype(jnp.float32)
+            return (v32.T @ v32).astype(jnp.float64)
+        return (v.T @ v).at[3, 5].multiply(2.0)
+
+    d = check_kernel(jax.jit(candidate), jax.jit(lambda v: v.T @ v), a, variants=("example",),
+                     repeats=1)
+    # -4.45 -> -8.9: the exponent's two lowest bits
+    expected = {"float32_accumulation": "low_precision_accumulation",
+                "one_element_doubled": "multi_bit_flip"}
+    assert not d.passed and d.model == expected[bug], d.summary

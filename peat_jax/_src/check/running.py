@@ -206,6 +206,22 @@ def float64_outputs(reference, run: Run, args64=None) -> tuple[dict[str, Any], s
     return outs, ""
 
 
+NO_WIDER = "returns float64 already: its float64 evaluation is the golden itself, no truth to " \
+    "measure the golden's rounding against"
+"""Why an output that is float64 in the run has no float64 reference (`wider_only`)."""
+
+
+def wider_only(ref64: dict[str, Any], why: str, run: Run) -> tuple[dict[str, Any], str]:
+    """(`ref64` without the outputs whose golden is float64 already, why): for those the float64
+    evaluation of the reference is the golden itself, whose own rounding error it cannot
+    show, and a floor of 0 there calls any other correct rounding an error; they are judged by
+    the dtype bound instead, as without a reference (`NO_WIDER` says why)."""
+    same = [o for o in ref64 if all_float64(run.reference[o])]
+    if not same:
+        return ref64, why
+    return {o: v for o, v in ref64.items() if o not in same}, why or NO_WIDER
+
+
 def narrow_dtypes(fn, args64) -> list[str]:
     """The float dtypes narrower than float64 among `fn`'s outputs traced on `args64` (float64
     host arrays): a dtype pinned in it; [] when there are none or it cannot be traced."""
