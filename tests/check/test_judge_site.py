@@ -86,3 +86,29 @@ def test_float64_evidence_leaves_out_what_no_reference_judges():
     f = float64_evidence(np.array([np.nan, 5.0, 2.0, 1.0], np.float32), golden, ref64,
                          np.array([0.0, 5.0, 2.0, np.nan]))
     assert f.error == 0.0 and f.error64 == float("inf")   # NaN where the reference is finite
+
+
+def _softmax_port(x):
+    e = jnp.exp(x - jnp.max(x, -1, keepdims=True))
+    return e / jnp.sum(e, -1, keepdims=True)
+
+
+def test_a_float64_site_is_judged_by_the_dtype_bound():
+    """A float64 site's op in float64 is the golden itself: a floor of 0 called another correct
+    rounding of softmax's gradient (on this draw) a bit flip. The dtype bound judges it, says
+    so, and still finds a doubled element."""
+    rng = np.random.default_rng(9)
+    x, ct = rng.standard_normal((8, 32)), rng.standard_normal((8, 32))
+    with jax.enable_x64(True):
+        reference_fn = jax.jit(lambda x, ct: jax.vjp(jax.nn.softmax, x)[1](ct)[0])
+        op = _op(reference_fn, x, ct)
+        reference = np.asarray(reference_fn(x, ct))
+        port = np.asarray(jax.jit(lambda x, ct: jax.vjp(_softmax_port, x)[1](ct)[0])(x, ct))
+        assert reference.dtype == np.float64 and not np.array_equal(port, reference)
+        _, d = judge_site(op, [x, ct], port, reference, seed=0)
+        assert d.passed, d.summary
+        assert "returns float64 already" in d.summary and "no_float64_reference" in d.evidence
+        wrong = reference.copy()
+        wrong[2, 3] *= 2
+        _, d = judge_site(op, [x, ct], wrong, reference, seed=0)
+    assert not d.passed and d.model in ("bit_flip", "multi_bit_flip"), d.summary

@@ -18,6 +18,7 @@ from peat_jax._src.check.variants import host_array
 from peat_jax._src.errors import PeatError
 from peat_jax._src.formats import float_format
 from peat_jax._src.judge.conditioning import conditioning_spread, is_float_leaf
+from peat_jax._src.judge.float64 import NO_WIDER
 from peat_jax._src.kernels.pallas.interpret import races_found, reset_interpret_state
 from peat_jax._src.promote import widened
 
@@ -204,11 +205,6 @@ def float64_outputs(reference, run: Run, args64=None) -> tuple[dict[str, Any], s
         return ({o: outs[o] for o in forwards},
                 "returns gradients narrower than float64 (those outputs only)")
     return outs, ""
-
-
-NO_WIDER = "returns float64 already: its float64 evaluation is the golden itself, no truth to " \
-    "measure the golden's rounding against"
-"""Why an output that is float64 in the run has no float64 reference (`wider_only`)."""
 
 
 def wider_only(ref64: dict[str, Any], why: str, run: Run) -> tuple[dict[str, Any], str]:

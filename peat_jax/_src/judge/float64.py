@@ -10,6 +10,11 @@ import numpy as np
 
 from peat_jax._src.detector import Float64Evidence
 
+NO_WIDER = ("returns float64 already: its float64 evaluation is the golden itself, no truth to "
+            "measure the golden's rounding against")
+"""Why a float64 output has no float64 reference: judged by the dtype bound instead (a floor of
+0 there calls any other correct rounding an error); `check_kernel` and `judge_site` say so."""
+
 
 def float64_evidence(candidate, reference, reference64, candidate64) -> Float64Evidence:
     """What `detector.by_float64` reads about one output (arrays or pytrees of one structure):

@@ -16,7 +16,7 @@ from peat_jax._src.analyzer import Signature, analyze
 from peat_jax._src.detector import Diagnosis, by_float64, detect
 from peat_jax._src.formats import float_format, is_floating
 from peat_jax._src.judge.conditioning import conditioning_spread
-from peat_jax._src.judge.float64 import float64_evidence
+from peat_jax._src.judge.float64 import NO_WIDER, float64_evidence
 from peat_jax._src.judge.rounding import rounding_samples
 
 
@@ -55,6 +55,8 @@ def judge_site(op: SiteOp, operands: Sequence, candidate: np.ndarray, reference:
     raises `NoFloat64Candidate` leaves the verdict with why in its summary; any other exception
     leaves it as it is. `seed` fixes the perturbations and the Monte Carlo keys."""
     k = op.output
+    if np.dtype(reference.dtype) == np.float64:
+        return _by_dtype_bound(op, candidate, reference)
     bits = float_format(reference.dtype).mantissa_bits
     with jax.enable_x64(True):
         x64 = [np.asarray(x, np.float64) if is_floating(x) else x for x in operands]
@@ -81,6 +83,16 @@ def judge_site(op: SiteOp, operands: Sequence, candidate: np.ndarray, reference:
     except Exception:  # noqa: BLE001 - a kernel that cannot run in float64: no float64 rule
         return sig, local
     return sig, by_float64(local, float64_evidence(candidate, reference, ref64, cand64))
+
+
+def _by_dtype_bound(op: SiteOp, candidate, reference) -> tuple[Signature, Diagnosis]:
+    """(signature, diagnosis) of a float64 output against the dtype bound (`NO_WIDER`): no
+    float64 reference, so no conditioning, rounding or float64 rules either."""
+    sig = analyze(candidate, reference, None, reduction_length=op.reduction_length)
+    d = detect(sig)
+    return sig, dataclasses.replace(
+        d, evidence={**d.evidence, "no_float64_reference": NO_WIDER},
+        summary=f"{d.summary}; note: the floor is the dtype bound: the site's op {NO_WIDER}")
 
 
 def _with_rounding_floor(op: SiteOp, operands, k: int, candidate, reference, ref64, spread,
