@@ -50,6 +50,16 @@ def _fresh_jax_caches():
     jax.clear_caches()
 
 
+@pytest.fixture
+def x64():
+    """jax's global x64 flag on for one test (check_kernel's analysis threads read the global
+    flag, not a calling thread's ``jax.enable_x64`` context)."""
+    was = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", was)
+
+
 class LinenMLP(nn.Module):
     hidden: int = 16
     out: int = 4

@@ -12,7 +12,9 @@ from compile_log import compiles
 from peat_jax._src._jax import cache_size
 from peat_jax._src.analyzer import device
 from peat_jax._src.check import VARIANTS, VJP_FORWARD, check_kernel, make_variant
+from peat_jax._src.check.running import Run, conditioning_spreads, wider_reference
 from peat_jax._src.errors import PeatError
+from peat_jax._src.judge.float64 import NO_WIDER
 from peat_jax._src.kernel_spec import draw_args, parse_dtypes, parse_shapes
 from peat_jax._src.kernels import pallas_matmul
 from peat_jax._src.pytest_plugin import PeatCheck
@@ -657,16 +659,6 @@ def test_a_norm_with_another_eps_is_a_per_row_scale_whatever_its_bias(rows, n, b
     assert not d.passed and d.model == "wrong_scale", d.summary
 
 
-@pytest.fixture
-def x64():
-    """jax's global x64 flag on for one test (check_kernel's analysis threads read the global
-    flag, not a calling thread's ``jax.enable_x64`` context)."""
-    was = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", was)
-
-
 def _softmax_port(x):
     e = jnp.exp(x - jnp.max(x, -1, keepdims=True))
     return e / jnp.sum(e, -1, keepdims=True)
@@ -707,3 +699,32 @@ def test_a_float64_kernel_with_a_bug_still_fails(x64, bug):
     expected = {"float32_accumulation": "low_precision_accumulation",
                 "one_element_doubled": "multi_bit_flip"}
     assert not d.passed and d.model == expected[bug], d.summary
+
+
+def test_a_mixed_precision_run_keeps_its_float32_outputs_float64_floors(x64):
+    """float32 a, float64 b: the forward and a's gradient are float32 and have a float64
+    reference and conditioning floors; b's gradient is float64 already and has neither (the
+    dtype bound judges it); where every output is float64 there is none at all."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((8, 16)).astype(np.float32), rng.standard_normal((16, 4))
+    ct = rng.standard_normal((8, 4)).astype(np.float32)
+
+    def f(a, b):
+        return a @ b.astype(jnp.float32)
+
+    out, vjp = jax.vjp(f, a, b)
+    ga, gb = vjp(ct)
+    outs = {"forward": np.asarray(out), "grad[0]": np.asarray(ga), "grad[1]": np.asarray(gb)}
+    assert outs["grad[1]"].dtype == np.float64
+    run = Run("example", (a, b), (0, 1), ct, outs, outs)
+    ref64, why = wider_reference(f, run)
+    assert set(ref64) == {"forward", "grad[0]"} and why == NO_WIDER
+    assert all(v.dtype == np.float64 for v in ref64.values())
+    np.testing.assert_allclose(ref64["forward"], outs["forward"], rtol=1e-5)
+    spreads = conditioning_spreads(f, run, ref64, seed=0)
+    assert set(spreads) == {"forward", "grad[0]"}
+    assert all(np.shape(s) == outs[o].shape for o, s in spreads.items())
+    assert np.max(spreads["forward"]) > 0   # a's last bit moves a @ b; a's grad has b in float32
+
+    only64 = Run("example", (b,), (), None, {"forward": b * 2}, {"forward": b * 2})
+    assert wider_reference(lambda b: b * 2, only64) == ({}, NO_WIDER)

@@ -92,20 +92,15 @@ def test_float64_terms_near_overflow_that_cancel_have_a_floor_at_their_scale(op)
     assert np.all(spread > 0.1 * 2.0 ** -53 * terms * 2.0 ** 900), (spread, terms)
 
 
-def test_a_float64_matmul_in_another_order_passes_near_overflow():
+def test_a_float64_matmul_in_another_order_passes_near_overflow(x64):
     """`a.T @ a` against an einsum in float64 on near_overflow inputs, whose products have
     squares past float64's range: that gave a rounding floor of 0, and the order's rounding read
     as a narrow accumulator (on seed 1's draw; the forward alone, the one check that failed).
-    A float64 output is judged by the dtype bound now (`check.running.wider_only`); the floor's
+    A float64 output is judged by the dtype bound now (`check.running.wider_reference`); the floor's
     own overflow is the test above's."""
     x = np.random.default_rng(0).standard_normal((16, 64))
-    was = jax.config.jax_enable_x64   # the global flag: check_kernel's threads read it
-    jax.config.update("jax_enable_x64", True)
-    try:
-        d = peat.check_kernel(lambda v: v.T @ v, lambda v: jnp.einsum("ki,kj->ij", v, v), x,
-                              variants="near_overflow", seed=1, repeats=1, backward=False)
-    finally:
-        jax.config.update("jax_enable_x64", was)
+    d = peat.check_kernel(lambda v: v.T @ v, lambda v: jnp.einsum("ki,kj->ij", v, v), x,
+                          variants="near_overflow", seed=1, repeats=1, backward=False)
     assert d.passed, d.summary
 
 

@@ -21,7 +21,7 @@ from peat_jax._src.check.programs import (VJP_FORWARD, Pairing, is_jitted, jitte
                                           named_outputs, named_vjp, vjp_traced)
 from peat_jax._src.check.programs import bitwise_same
 from peat_jax._src.check.running import (Run, conditioning_spreads, float64_outputs,
-                                         outputs_again, wider_only)
+                                         outputs_again, wider_reference)
 from peat_jax._src.detector import (Diagnosis, bitwise_equal, by_float64, data_race, detect,
                                     format_phrase)
 from peat_jax._src.formats import NARROW_FORMATS, ROUNDING_MODES, float_format, round_to_format
@@ -151,7 +151,7 @@ def comparisons(pool: ThreadPoolExecutor, reference, reference64: Callable, run:
     it exists (kept in ``found.refs64`` for `judged_by_float64`; where it does not, why in
     ``found.why64``), and its spread under 1-ULP input perturbations as the conditioning floor
     (unless ``opts.conditioning`` is off); analysed on `pool`."""
-    ref64, why = wider_only(*float64_outputs(reference64, run), run)
+    ref64, why = wider_reference(reference64, run)
     found.refs64[run.variant] = ref64
     if why:
         found.why64[run.variant] = why

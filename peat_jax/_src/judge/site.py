@@ -54,9 +54,9 @@ def judge_site(op: SiteOp, operands: Sequence, candidate: np.ndarray, reference:
     run) names what remains (``unstable_algorithm``, ``approximation``). A candidate64 that
     raises `NoFloat64Candidate` leaves the verdict with why in its summary; any other exception
     leaves it as it is. `seed` fixes the perturbations and the Monte Carlo keys."""
-    k = op.output
     if np.dtype(reference.dtype) == np.float64:
         return _by_dtype_bound(op, candidate, reference)
+    k = op.output
     bits = float_format(reference.dtype).mantissa_bits
     with jax.enable_x64(True):
         x64 = [np.asarray(x, np.float64) if is_floating(x) else x for x in operands]
