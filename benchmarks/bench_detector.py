@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
 import io
 import json
 import pathlib
@@ -53,6 +52,7 @@ import peat_jax as peat  # noqa: E402
 from peat_jax._src.kernels import pallas as pk  # noqa: E402
 from corpus import ENTRIES  # noqa: E402
 from corpus.step import golden_run, play  # noqa: E402
+import needs  # noqa: E402
 import third_party  # noqa: E402
 
 
@@ -249,7 +249,7 @@ def _own_corpus(args) -> dict:
     scratch = tempfile.TemporaryDirectory(prefix="peat-corpus-")
     run_dir = golden_run(pathlib.Path(scratch.name) / "run")
     for e in ENTRIES:
-        if e.needs is not None and importlib.util.find_spec(e.needs) is None:
+        if needs.missing(e.needs):
             continue
         d, secs = run_entry(e)
         with contextlib.redirect_stdout(io.StringIO()):

@@ -52,13 +52,20 @@ def _sub_matmul(kernel):
     return peat.substitute(_matmul_ref, {"dot_general": kernel})
 
 
-def _ffi_matmul(ffi_dir: str):
-    """The substituted FFI matmul (C++ on the CPU, CUDA on a GPU), or the PeatError's message
-    when it cannot be built here (no compiler: e.g. no nvcc on a GPU machine)."""
+def _made(factory, *args, **kwargs):
+    """`factory(*args, **kwargs)`, or the PeatError's message when the kernel cannot be made
+    here (the FFI matmul without a compiler; jax's shipped Pallas ops on a jax that dropped
+    them)."""
     try:
-        return _sub_matmul(peat.kernels.ffi_matmul(cache_dir=ffi_dir))
+        return factory(*args, **kwargs)
     except peat.PeatError as e:
         return str(e)
+
+
+def _ffi_matmul(ffi_dir: str):
+    """The substituted FFI matmul (C++ on the CPU, CUDA on a GPU), or why it cannot be built."""
+    made = _made(peat.kernels.ffi_matmul, cache_dir=ffi_dir)
+    return made if isinstance(made, str) else _sub_matmul(made)
 
 
 def cases(ffi_dir: str):
@@ -94,8 +101,9 @@ def cases(ffi_dir: str):
         "pallas_softmax": (pk.pallas_softmax(), references.softmax, rows),
         "pallas_layer_norm": (pk.pallas_layer_norm(), references.layer_norm, ln_args),
         "pallas_attention(causal)": (pk.pallas_attention(causal=True), causal_ref, att_args),
-        "jax_pallas_layer_norm": (pk.jax_pallas_layer_norm(), references.layer_norm, ln_args),
-        "jax_pallas_mha(causal)": (pk.jax_pallas_mha(causal=True), causal_ref, mha_args),
+        "jax_pallas_layer_norm": (_made(pk.jax_pallas_layer_norm), references.layer_norm,
+                                  ln_args),
+        "jax_pallas_mha(causal)": (_made(pk.jax_pallas_mha, causal=True), causal_ref, mha_args),
         "ffi_matmul": (_ffi_matmul(ffi_dir), _matmul_ref, mm_args),
         "torch_matmul": (_sub_matmul(peat.kernels.dot_general(
             peat.kernels.torch_kernel(torch.matmul), batched=True)), _matmul_ref, mm_args),

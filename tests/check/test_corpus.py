@@ -3,8 +3,7 @@ model, every correct kernel computed another way passes, through `peat.check_ker
 few matmuls, through playback inside a small training step."""
 from __future__ import annotations
 
-import importlib.util
-
+import needs
 import pytest
 
 import peat_jax as peat
@@ -24,9 +23,7 @@ def check(entry) -> peat.Diagnosis:
 
 
 def _param(e):
-    skip = e.needs is not None and importlib.util.find_spec(e.needs) is None
-    return pytest.param(e, id=e.name, marks=pytest.mark.skipif(
-        skip, reason=f"{e.needs} is not installed (the test extra brings it on Python 3.11)"))
+    return pytest.param(e, id=e.name, marks=needs.skip_unless(*e.needs))
 
 
 @pytest.mark.parametrize("entry", [_param(e) for e in ENTRIES if e.kind == "bug"])

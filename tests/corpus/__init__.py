@@ -26,7 +26,7 @@ class Entry:
       expected: "pass" for a correct kernel, else the error model `check_kernel` should name.
       backward: also compare gradients.
       variants: the `check_kernel` variants (None: all).
-      needs: a module the entry needs ("torch"); the entry is skipped where it is missing.
+      needs: the modules the entry needs (`("torch",)`); it is skipped where one is missing.
       race: the bug is a data race, reported by the Pallas interpreter's race detector (a
         `PeatError` from `check_kernel`) rather than by a diagnosis.
       what: one line: the bug, or the other way of computing.
@@ -41,7 +41,7 @@ class Entry:
     what: str
     backward: bool = False
     variants: Optional[Sequence[str]] = None
-    needs: Optional[str] = None
+    needs: tuple[str, ...] = ()
     race: bool = False
 
 

@@ -5,6 +5,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import needs
 import numpy as np
 
 import peat_jax as peat
@@ -117,6 +118,12 @@ def jax_softmax(x):
     return shipped.softmax(x, interpret=True)
 
 
+def _shipped(op: str, factory):
+    """`factory()` (a kernel running jax's shipped Pallas `op`), or None where this jax no longer
+    ships it (the entry `needs` it, so it is skipped there)."""
+    return None if needs.missing([needs.pallas_op(op)]) else factory()
+
+
 _LN = lambda: (f32(16, 32), f32(32, seed=1), f32(32, seed=2))  # noqa: E731
 _QKV = lambda: tuple(f32(1, 16, 2, 8, seed=s) for s in range(3))  # noqa: E731
 _EX = ("example",)
@@ -148,15 +155,17 @@ ENTRIES: tuple[Entry, ...] = (
           variants=_EX),
     Entry("torch_layer_norm", "correct", torch_layer_norm(), layer_norm, _LN, "pass",
           "torch's layer_norm (forward and autograd backward)", backward=True,
-          variants=("example", "outliers"), needs="torch"),
+          variants=("example", "outliers"), needs=("torch",)),
     Entry("jax_pallas_softmax", "correct", jax_softmax, softmax, lambda: (f32(16, 24),), "pass",
           "jax's shipped Pallas softmax (ops.gpu), interpreted",
-          variants=("example", "large")),
-    Entry("jax_pallas_layer_norm", "correct", peat.kernels.jax_pallas_layer_norm(), layer_norm,
+          variants=("example", "large"), needs=(needs.pallas_op("softmax"),)),
+    Entry("jax_pallas_layer_norm", "correct",
+          _shipped("layer_norm", peat.kernels.jax_pallas_layer_norm), layer_norm,
           _LN, "pass", "jax's shipped Pallas layer norm (ops.gpu), interpreted", backward=True,
-          variants=("example", "outliers")),
-    Entry("jax_pallas_mha", "correct", peat.kernels.jax_pallas_mha(block_q=8, block_k=8),
+          variants=("example", "outliers"), needs=(needs.pallas_op("layer_norm"),)),
+    Entry("jax_pallas_mha", "correct",
+          _shipped("attention", lambda: peat.kernels.jax_pallas_mha(block_q=8, block_k=8)),
           references.attention, _QKV, "pass",
           "jax's shipped Pallas attention (ops.gpu.attention.mha), interpreted", backward=True,
-          variants=_EX),
+          variants=_EX, needs=(needs.pallas_op("attention"),)),
 )

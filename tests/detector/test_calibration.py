@@ -12,6 +12,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import needs
 import numpy as np
 import pytest
 from jax import lax
@@ -297,6 +298,7 @@ def test_reduction_in_another_order_passes():
 
 
 @pytest.mark.slow
+@needs.skip_unless(needs.pallas_op("layer_norm"))
 def test_pallas_layer_norm_interpret_passes():
     from jax.experimental.pallas.ops.gpu import layer_norm as pln
 
@@ -311,6 +313,7 @@ def test_pallas_layer_norm_interpret_passes():
 
 
 @pytest.mark.slow
+@needs.skip_unless(needs.pallas_op("attention"))
 def test_pallas_attention_interpret_passes():
     from jax.experimental.pallas.ops.gpu import attention as patt
 

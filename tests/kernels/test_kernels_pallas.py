@@ -17,6 +17,7 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import needs
 import numpy as np
 import pytest
 
@@ -120,7 +121,8 @@ def test_pallas_softmax_matches_xla(shape, dtype):
 @pytest.mark.parametrize("which,shape,dtype", [
     *[pytest.param("pallas", c, d, id=f"pallas-{c}-{_dt(d)}") for c, d in
       [("ragged", d) for d in DTYPES] + [("divisible", jnp.float32)]],
-    *[pytest.param("jax_pallas", "ragged", d, id=f"jax_pallas-ragged-{_dt(d)}")
+    *[pytest.param("jax_pallas", "ragged", d, id=f"jax_pallas-ragged-{_dt(d)}",
+                   marks=needs.skip_unless(needs.pallas_op("layer_norm")))
       for d in (jnp.float32, jnp.bfloat16)]])
 def test_layer_norm_kernels_match_xla(which, shape, dtype):
     n = ROWS[shape][-1]
@@ -158,6 +160,7 @@ def test_pallas_attention_matches_flax_dot_product_attention(shape, dtype):
 # jax's shipped kernels in float32 and bfloat16 here; float16 is measured by
 # benchmarks/bench_kernels.py
 @pytest.mark.slow
+@needs.skip_unless(needs.pallas_op("attention"))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=_dt)
 def test_jax_pallas_mha_matches_flax_dot_product_attention(dtype):
     q, k, v = (_normal(i, (1, 32, 2, 12), dtype) for i in range(3))
@@ -213,17 +216,21 @@ def test_sites_a_kernel_cannot_serve_fail_at_substitution():
                           {"attention": pk.pallas_attention(causal=True)}, q4, k4)
     assert "equal query and key lengths" in msg
 
-    q12 = _normal(0, (1, 24, 2, 4), jnp.float32)
-    msg = _selected_error(lambda q: attn(q, q, q), {"attention": pk.jax_pallas_mha(block_q=16)},
-                          q12)
-    assert "multiples of the blocks" in msg and "q_len=24" in msg
-
     msg = _selected_error(jnp.exp, {"exp": pk.pallas_softmax()}, x)
     assert "not the primitive site 'exp'" in msg
 
     i = jnp.ones((4, 6), jnp.int32)
     msg = _selected_error(lambda a: a @ a.T, {"dot_general": pk.pallas_matmul()}, i)
     assert "int32" in msg
+
+
+@needs.skip_unless(needs.pallas_op("attention"))
+def test_jax_mha_serves_only_sequences_in_whole_blocks():
+    attn = peat.region("attention")(lambda q, k, v: q)
+    q12 = _normal(0, (1, 24, 2, 4), jnp.float32)
+    msg = _selected_error(lambda q: attn(q, q, q), {"attention": pk.jax_pallas_mha(block_q=16)},
+                          q12)
+    assert "multiples of the blocks" in msg and "q_len=24" in msg
 
 
 def test_bad_options_fail_when_the_kernel_is_made():
@@ -236,11 +243,27 @@ def test_bad_options_fail_when_the_kernel_is_made():
     assert pk.interpret_mode() is (jax.default_backend() == "cpu")
 
 
-@pytest.mark.parametrize("factory", ["jax_pallas_layer_norm", "jax_pallas_mha"])
-def test_jax_shipped_kernels_import_without_a_deprecation_warning(factory):
+@pytest.mark.parametrize("factory,op", [
+    pytest.param(f, op, id=f, marks=needs.skip_unless(needs.pallas_op(op)))
+    for f, op in [("jax_pallas_layer_norm", "layer_norm"), ("jax_pallas_mha", "attention")]])
+def test_jax_shipped_kernels_import_without_a_deprecation_warning(factory, op):
     """jax 0.11+ deprecates its Pallas GPU ops (for tokamax); the factories silence that one
     warning (it would point at peat's import) and warn about nothing else."""
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         getattr(pk, factory)()
+
+
+@pytest.mark.parametrize("factory,op,instead", [
+    ("jax_pallas_layer_norm", "layer_norm", "pallas_layer_norm()"),
+    ("jax_pallas_mha", "attention", "pallas_attention()")])
+def test_a_jax_without_its_shipped_kernel_says_what_to_use_instead(monkeypatch, factory, op,
+                                                                  instead):
+    """jax 0.12.1 dropped its Triton Pallas ops; there (simulated on every leg by blocking the
+    import) the factory says so in one line and names peat's own kernel for the region."""
+    import sys
+    monkeypatch.setitem(sys.modules, needs.pallas_op(op), None)  # import raises ImportError
+    with pytest.raises(peat.PeatError, match="does not ship") as e:
+        getattr(pk, factory)()
+    assert instead in str(e.value) and "\n" not in str(e.value)

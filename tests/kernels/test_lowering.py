@@ -16,6 +16,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import needs
 import pytest
 from jax import lax
 from jax.experimental import pallas as pl
@@ -98,6 +99,7 @@ def test_lower_precision_dots_lower_too():
 
 
 @pytest.mark.slow
+@needs.skip_unless(needs.pallas_op("layer_norm"), needs.pallas_op("attention"))
 def test_jax_shipped_pallas_kernels_lower():
     k = peat.kernels
     _assert_all_lowered(lowers_for(k.jax_pallas_layer_norm(interpret=False), S((8, 32), F32),

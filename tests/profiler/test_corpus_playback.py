@@ -4,8 +4,7 @@ at every site; the buggy ones fail with the models `IN_STEP` states, or pass whe
 inputs the step does not make."""
 from __future__ import annotations
 
-import importlib.util
-
+import needs
 import pytest
 
 from corpus import ENTRIES, by_name
@@ -20,9 +19,7 @@ def run_dir(tmp_path_factory):
 
 
 def _available(entries):
-    return [pytest.param(e, id=e.name, marks=pytest.mark.skipif(
-        e.needs is not None and importlib.util.find_spec(e.needs) is None,
-        reason=f"needs {e.needs}")) for e in entries]
+    return [pytest.param(e, id=e.name, marks=needs.skip_unless(*e.needs)) for e in entries]
 
 
 @pytest.mark.parametrize("entry", _available([e for e in ENTRIES if e.kind == "correct"]))

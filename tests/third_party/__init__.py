@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import io
 from typing import Callable, Optional, Sequence, Union
+
+import needs
 
 __all__ = ["ENTRIES", "SEEDS", "Entry", "by_name", "check", "expectation_met", "missing"]
 
@@ -87,12 +88,7 @@ class Entry:
 
 def missing(entry: Entry) -> Optional[str]:
     """Why the entry cannot run here (a module it needs is not installed), or None."""
-    for mod in entry.needs:
-        if importlib.util.find_spec(mod) is None:
-            why = (" (the test extra brings torch on Python 3.11 only)"
-                   if mod in ("torch", "rotary_embedding_torch") else "")
-            return f"{mod} is not installed{why}: pip install -e '.[test]'"
-    return None
+    return needs.missing(entry.needs)
 
 
 def check(entry: Entry, seed: int):

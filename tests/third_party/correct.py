@@ -9,6 +9,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+import needs
+
 import peat_jax as peat
 
 from . import Entry
@@ -292,11 +294,14 @@ ENTRIES: tuple[Entry, ...] = (
           variants=_NO_LARGE, needs=_FAJ),
     Entry("jax_pallas_mha_causal", "jax", "correct", jax_pallas_mha_causal,
           ref.causal_attention_bshd, _qkv_bshd, "passes",
-          "jax's shipped Pallas mha (ops.gpu.attention), causal, blocks 16, interpreted"),
+          "jax's shipped Pallas mha (ops.gpu.attention), causal, blocks 16, interpreted",
+          needs=(needs.pallas_op("attention"),)),
     Entry("jax_pallas_layer_norm", "jax", "correct", jax_pallas_layer_norm, ref.layer_norm_eps5,
-          _norm3, "passes", "jax's shipped Pallas layer_norm (ops.gpu), interpreted"),
+          _norm3, "passes", "jax's shipped Pallas layer_norm (ops.gpu), interpreted",
+          needs=(needs.pallas_op("layer_norm"),)),
     Entry("jax_pallas_rms_norm", "jax", "correct", jax_pallas_rms_norm, ref.rms_norm, _norm3,
-          "passes", "jax's shipped Pallas rms_norm (ops.gpu), interpreted"),
+          "passes", "jax's shipped Pallas rms_norm (ops.gpu), interpreted",
+          needs=(needs.pallas_op("rms_norm"),)),
     Entry("jax_nn_sigmoid", "jax", "correct", jax.nn.sigmoid, ref.sigmoid_naive, _activation_args,
           "passes", "jax.nn.sigmoid against 1 / (1 + exp(-x)): its gradient s * (1 - s) is a "
           "few ULPs off at a few elements (cancellation), a right algorithm's rounding"),

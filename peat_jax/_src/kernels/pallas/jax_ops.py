@@ -11,9 +11,10 @@ Both carry Triton compiler params, so they run compiled on GPU or in the plain i
 the checked interpreter (`checks=`) cannot run them (see `peat_jax._src.kernels.pallas.interpret`).
 
 jax 0.11 deprecated both modules in favour of tokamax (not a dependency here: nothing is
-downloaded). They are still shipped up to the newest tested jax (0.12), so the factories import
-them with that DeprecationWarning silenced (it would point at peat's line, where a user can do
-nothing about it); once a jax release drops them, a factory raises a `PeatError` saying so.
+downloaded) and 0.12.1 dropped them. Up to 0.12.0.1 the factories import them with that
+DeprecationWarning silenced (it would point at peat's line, where a user can do nothing about
+it); on 0.12.1 a factory raises a `PeatError` saying so and naming peat's own kernel for the
+region.
 """
 from __future__ import annotations
 
