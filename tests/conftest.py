@@ -205,12 +205,36 @@ def mlp_variants(linen_mlp):
 def small_vision_run(tmp_path_factory):
     """A 60-step golden run of the small vision workload (checkpoints 0, 20, 40, 60), shared by
     the playback test modules; each test names its own campaign."""
-    from peat_jax import models
     from peat_jax._src.profiler.golden import profile
-    wl = models.get("vision", batch_size=16, width=8, hidden=32)
     path = tmp_path_factory.mktemp("vision") / "run"
-    profile(wl, path, steps=60, checkpoint_every=20)
+    profile(_small_vision(), path, steps=60, checkpoint_every=20)
     return path
+
+
+def _small_vision():
+    from peat_jax import models
+    return models.get("vision", batch_size=16, width=8, hidden=32)
+
+
+@pytest.fixture(scope="session")
+def vision_gemms():
+    """The site indices of the six dot_generals of `small_vision_run`'s train step, by what each
+    computes: `hidden`, `head` (forward), `head_w`, `head_x`, `hidden_w`, `hidden_x` (backward:
+    the weight and the input gradients). Tests name sites this way because the numbering moves
+    between jax releases (jax 0.12.1's log_softmax is a custom_jvp: two more sites before the
+    backward)."""
+    import types
+
+    import peat_jax as peat
+    wl = _small_vision()
+    state = wl.init(jax.random.key(0))
+    batch = jax.tree.map(jnp.asarray, wl.batch(0))
+    by_type = {(s.phase, s.out_shapes[0]): s.index for s in peat.list_sites(
+        wl.train_step, state, batch) if s.primitive == "dot_general"}
+    return types.SimpleNamespace(
+        hidden=by_type["fwd", (16, 32)], head=by_type["fwd", (16, 10)],
+        head_w=by_type["bwd", (10, 32)], head_x=by_type["bwd", (16, 32)],
+        hidden_w=by_type["bwd", (32, 64)], hidden_x=by_type["bwd", (16, 64)])
 
 
 @pytest.fixture

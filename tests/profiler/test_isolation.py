@@ -36,13 +36,13 @@ def _host_raise(out):
 def _broken(a, b, **params):
     """A kernel with a different failure at each of four of the six GEMM sites."""
     out = jax.lax.dot_general(a, b, **params)
-    if out.shape == (10, 32):    # site 16: raises while traced
+    if out.shape == (10, 32):    # head_w: raises while traced
         raise ValueError("boom: tile size 7 unsupported")
-    if out.shape == (32, 64):    # site 19: wrong shape
+    if out.shape == (32, 64):    # hidden_w: wrong shape
         return out.T
-    if out.shape == (16, 10):    # site 6: NaN everywhere
+    if out.shape == (16, 10):    # head: NaN everywhere
         return jnp.full_like(out, jnp.nan)
-    if out.shape == (16, 64):    # site 20: fails while running
+    if out.shape == (16, 64):    # hidden_x: fails while running
         return _host_raise(out)
     return out
 
@@ -52,22 +52,26 @@ def _by_site(res):
 
 
 @pytest.mark.slow
-def test_failing_candidates_are_isolated_per_cell_and_counted(run):
+def test_failing_candidates_are_isolated_per_cell_and_counted(run, vision_gemms):
+    g = vision_gemms
     res = playback(run, {"dot_general": peat.Kernel("broken", _broken)}, checkpoints=[20],
                    name="broken")
     cells = _by_site(res)
-    assert sorted(cells) == [5, 6, 16, 17, 19, 20]
-    assert cells[16]["status"] == "crashed" and "boom: tile size 7" in cells[16]["error"]
-    assert cells[19]["status"] == "crashed" and "returned (float32[64, 32])" in cells[19]["error"] \
-        and "needs (float32[32, 64])" in cells[19]["error"]
-    assert cells[20]["status"] == "crashed" and "invalid configuration" in cells[20]["error"]
-    assert cells[6]["status"] == "ok" and cells[6]["local"]["model"] == "nan_inf"
-    assert not cells[6]["local"]["passed"]
-    for s in (5, 17):  # the correct sites still ran and passed
+    assert sorted(cells) == sorted(vars(g).values())
+    head_w = cells[g.head_w]
+    assert head_w["status"] == "crashed" and "boom: tile size 7" in head_w["error"]
+    hidden_w = cells[g.hidden_w]
+    assert hidden_w["status"] == "crashed" and "returned (float32[64, 32])" in hidden_w["error"] \
+        and "needs (float32[32, 64])" in hidden_w["error"]
+    assert cells[g.hidden_x]["status"] == "crashed" \
+        and "invalid configuration" in cells[g.hidden_x]["error"]
+    assert cells[g.head]["status"] == "ok" and cells[g.head]["local"]["model"] == "nan_inf"
+    assert not cells[g.head]["local"]["passed"]
+    for s in (g.hidden, g.head_x):  # the correct sites still ran and passed
         assert cells[s]["status"] == "ok" and cells[s]["local"]["model"] == "exact"
     assert res.summary() == {"cells": 6, "passed": 2, "failed": 1, "crashed": 3, "timeout": 0}
-    assert {r["site"] for r in res.failing()} == {6, 16, 19, 20}
-    assert res.first_divergence()["site"] == 6
+    assert {r["site"] for r in res.failing()} == {g.head, g.head_w, g.hidden_w, g.hidden_x}
+    assert res.first_divergence()["site"] == g.head
     # the records on disk say the same, and a rerun resumes them as they are
     again = playback(run, {"dot_general": peat.Kernel("broken", _broken)}, checkpoints=[20],
                      name="broken")
@@ -78,7 +82,7 @@ def test_failing_candidates_are_isolated_per_cell_and_counted(run):
 
 
 @pytest.mark.slow
-def test_a_cell_past_its_time_limit_is_recorded_and_the_rerun_goes_on(run):
+def test_a_cell_past_its_time_limit_is_recorded_and_the_rerun_goes_on(run, vision_gemms):
     def slow(a, b, **params):
         out = jax.lax.dot_general(a, b, **params)
         if out.shape != (10, 32):
@@ -90,14 +94,16 @@ def test_a_cell_past_its_time_limit_is_recorded_and_the_rerun_goes_on(run):
 
         return jax.pure_callback(host, jax.ShapeDtypeStruct(out.shape, out.dtype), out)
 
-    kernel = peat.Kernel("slow_at_16", slow)
+    kernel = peat.Kernel("slow_at_head_w", slow)
     t0 = time.perf_counter()
     with pytest.raises(CellTimeout, match=r"time limit of 1\.5 s.*run it again"):
         playback(run, {"dot_general": kernel}, checkpoints=[20], name="slow", cell_timeout=1.5)
     assert time.perf_counter() - t0 < 60
     path = run / "campaigns" / "slow" / "results.jsonl"
     recs = [json.loads(x) for x in path.read_text().splitlines()]
-    assert [(r["site"], r["status"]) for r in recs] == [(5, "ok"), (6, "ok"), (16, "timeout")]
+    g = vision_gemms
+    assert [(r["site"], r["status"]) for r in recs] == [(g.hidden, "ok"), (g.head, "ok"),
+                                                        (g.head_w, "timeout")]
     assert not list(path.parent.glob("*.running"))
     res = playback(run, {"dot_general": kernel}, checkpoints=[20], name="slow", cell_timeout=30)
     assert res.summary() == {"cells": 6, "passed": 5, "failed": 0, "crashed": 0, "timeout": 1}
@@ -105,7 +111,7 @@ def test_a_cell_past_its_time_limit_is_recorded_and_the_rerun_goes_on(run):
 
 
 @pytest.mark.slow
-def test_a_kernel_past_the_time_limit_in_its_float64_run_stops_the_campaign(run):
+def test_a_kernel_past_the_time_limit_in_its_float64_run_stops_the_campaign(run, vision_gemms):
     """A failing cell is judged again with the kernel run in float64: that run is the
     candidate's code too, held to the same time limit. Its cell keeps the verdict against the
     float64 floors, says why there is no float64 rule, and the campaign stops; the rerun goes
@@ -127,7 +133,9 @@ def test_a_kernel_past_the_time_limit_in_its_float64_run_stops_the_campaign(run)
         playback(run, {"dot_general": kernel}, checkpoints=[20], name="slow64", cell_timeout=3)
     path = run / "campaigns" / "slow64" / "results.jsonl"
     recs = [json.loads(x) for x in path.read_text().splitlines()]
-    assert [(r["site"], r["status"]) for r in recs] == [(5, "ok"), (6, "ok"), (16, "ok")]
+    g = vision_gemms
+    assert [(r["site"], r["status"]) for r in recs] == [(g.hidden, "ok"), (g.head, "ok"),
+                                                        (g.head_w, "ok")]
     local = recs[2]["local"]
     assert not local["passed"] and local["model"] == "wrong_scale", local["summary"]
     assert "conditioning_floor" in local["evidence"]            # the float64 floors were used
@@ -144,7 +152,7 @@ def test_bad_cell_timeout_is_refused(run):
 
 
 @pytest.mark.slow
-def test_cli_worker_restarts_after_hangs_and_a_segfault(run, tmp_path):
+def test_cli_worker_restarts_after_hangs_and_a_segfault(run, tmp_path, vision_gemms):
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-m", "peat_jax", "playback", str(run), "--kernel",
@@ -159,8 +167,10 @@ def test_cli_worker_restarts_after_hangs_and_a_segfault(run, tmp_path):
     assert out["summary"] == {"cells": 6, "passed": 3, "failed": 0, "crashed": 1, "timeout": 2}
     recs = [json.loads(x) for x in
             (run / "campaigns" / "chaos" / "results.jsonl").read_text().splitlines()]
-    assert sorted(r["site"] for r in recs) == [5, 6, 16, 17, 19, 20]
+    g = vision_gemms
+    assert sorted(r["site"] for r in recs) == sorted(vars(g).values())
     status = {r["site"]: (r["status"], r["error"]) for r in recs}
-    assert status[16][0] == "timeout" and "5 s" in status[16][1]
-    assert status[19][0] == "crashed" and "SIGSEGV" in status[19][1]
-    assert status[20][0] == "timeout" and "did not respond; killed after 20 s" in status[20][1]
+    assert status[g.head_w][0] == "timeout" and "5 s" in status[g.head_w][1]
+    assert status[g.hidden_w][0] == "crashed" and "SIGSEGV" in status[g.hidden_w][1]
+    assert status[g.hidden_x][0] == "timeout" \
+        and "did not respond; killed after 20 s" in status[g.hidden_x][1]

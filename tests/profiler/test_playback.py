@@ -32,7 +32,7 @@ def test_playback_of_the_reference_is_exact_everywhere(run):
     assert res.compiles == 1 and res.first_divergence() is None
 
 
-def test_fault_at_one_backward_site_is_found_there_only(run):
+def test_fault_at_one_backward_site_is_found_there_only(run, vision_gemms):
     # a kernel that is wrong only for the shape of one backward GEMM (the head's weight grad)
     def buggy(a, b, **params):
         out = jax.lax.dot_general(a, b, **params)
@@ -41,7 +41,8 @@ def test_fault_at_one_backward_site_is_found_there_only(run):
     res = playback(run, {"dot_general": peat.Kernel("buggy_at_10x32", buggy)}, checkpoints=[20],
                    name="bwd-bug")
     failing = res.failing("local")
-    assert [(r["site"], r["phase"], r["path"]) for r in failing] == [(16, "bwd", "CNN/head")]
+    assert [(r["site"], r["phase"], r["path"]) for r in failing] == [
+        (vision_gemms.head_w, "bwd", "CNN/head")]
     assert failing[0]["local"]["model"] == "wrong_scale"
     # its effect reaches the head's updated weights but not the step's loss (adam: no constant
     # factor on the update)
