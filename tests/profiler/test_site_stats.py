@@ -54,11 +54,28 @@ def _bwd_gemm(wl) -> peat.Site:
     return [s for s in sites if s.primitive == "dot_general" and s.phase == "bwd"][1]
 
 
+# jax 0.12.1's XLA:CPU computes a GEMM whose transpose it folds into it (XNNPACK, operands
+# swapped) in another order than the unfolded GEMM: the plain step folds the hidden layer's weight
+# gradient, the statistics step reads it unfolded (docs/compare.md)
+_FOLDS_READ_GEMMS = tuple(int(v) for v in jax.__version__.split(".")[:3]) >= (0, 12, 1)
+
+
 @pytest.mark.slow
-def test_stats_leave_the_trajectory_bitwise_unchanged(runs):
+def test_stats_leave_the_trajectory_unchanged(runs):
+    """Bitwise where XLA compiles the step's GEMMs alike with and without statistics; on jax
+    0.12.1 within a few ULPs of each leaf's scale. Two runs with statistics are bitwise equal
+    either way (stats_every=K is reproducible)."""
     plain, ref = RunDir(runs["plain"]), RunDir(runs["ref"])
     assert plain.golden_losses() == ref.golden_losses()
-    assert bitwise_equal(restore(runs["plain"], STEPS), restore(runs["ref"], STEPS))
+    with_stats = restore(runs["ref"], STEPS)
+    assert bitwise_equal(with_stats, restore(runs["again"], STEPS))
+    if not _FOLDS_READ_GEMMS:
+        assert bitwise_equal(restore(runs["plain"], STEPS), with_stats)
+        return
+    for a, b in zip(jax.tree.leaves(restore(runs["plain"], STEPS)), jax.tree.leaves(with_stats)):
+        if jax.dtypes.issubdtype(a.dtype, jax.numpy.floating):
+            a, b = np.asarray(a), np.asarray(b)
+            assert np.abs(a - b).max() <= 1e-6 * np.abs(a).max(), (a, b)
 
 
 def test_stats_files_are_pickle_free_and_complete(runs):
