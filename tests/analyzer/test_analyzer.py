@@ -116,10 +116,11 @@ def test_subnormals_are_seen_by_integer_bit_tests():
     c = _f32([TINY32 * 6, 3e-39, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
     s = analyze(c, g)
     assert s.counts.mismatched == 1 and s.errors.max_ulp == 1
-    assert s.counts.subnormal_golden == 2
+    assert s.counts.subnormal_golden == 2 and s.counts.subnormal_candidate == 2
     flushed = _f32([0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
     s = analyze(flushed, g)
     assert s.counts.flushed == 2 and s.counts.significant_not_flushed == 0
+    assert s.counts.subnormal_candidate == 0
 
 
 @pytest.mark.parametrize("dtype,bit,klass", [(np.float32, 27, "exponent"),

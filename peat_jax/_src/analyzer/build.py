@@ -45,7 +45,8 @@ def _counts(stats: LeafStats, n: int) -> Counts:
         lost_nonfinite=int(w.lost_nonfinite), unjudged=int(w.unjudged),
         significant=int(w.significant),
         flushed=int(w.flushed), significant_not_flushed=int(w.significant_not_flushed),
-        golden_flushed=int(w.golden_flushed), subnormal_golden=int(w.subnormal_golden))
+        golden_flushed=int(w.golden_flushed), subnormal_golden=int(w.subnormal_golden),
+        subnormal_candidate=int(w.subnormal_candidate))
 
 
 def _errors(stats: LeafStats, n: int, options: Options) -> Errors:
@@ -253,7 +254,8 @@ def nonfloat_signature(path: str, shape, dtype: str, comparison: str, n_mis: int
     counts = Counts(
         elements=n, mismatched=n_mis, nonfinite_candidate=0, nonfinite_golden=0,
         new_nonfinite=0, lost_nonfinite=0, unjudged=0, significant=n_mis, flushed=0,
-        significant_not_flushed=n_mis, golden_flushed=0, subnormal_golden=0)
+        significant_not_flushed=n_mis, golden_flushed=0, subnormal_golden=0,
+        subnormal_candidate=0)
     errors = Errors(
         max_abs=0.0, max_ulp=0, max_floor_ratio=0.0, abs_quantiles={}, rel_quantiles={},
         floor_ratio_quantiles={}, ulp_histogram=(), bias_mean=0.0, bias_std_error=0.0,

@@ -49,6 +49,7 @@ class WholeLeaf(NamedTuple):
     significant_not_flushed: Array
     golden_flushed: Array
     subnormal_golden: Array
+    subnormal_candidate: Array
     max_abs: Array
     max_floor_ratio: Array
     max_ulp: Array

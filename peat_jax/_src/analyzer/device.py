@@ -38,14 +38,14 @@ T = TypeVar("T")
 
 def _rare_counts(c, g, r, s: Scales, options: Options, f: FloatFormat, eloc):
     """(nonfinite c, nonfinite g, new nonfinite, lost nonfinite, unjudged, flushed, significant
-    flushed, golden flushed, subnormal g) counts, in one reduction."""
+    flushed, golden flushed, subnormal g, subnormal c) counts, in one reduction."""
     e = elements(c, g, r, s, options, f, eloc)
     dc, dg = e.dc, e.dg
     return vreduce(
         [i32(dc.nonfinite), i32(dg.nonfinite), i32(dc.nonfinite & ~dg.nonfinite),
          i32(dg.nonfinite & ~dc.nonfinite), i32(e.unjudged), i32(e.flushed),
          i32(e.significant & e.flushed), i32(e.mismatched & dg.zero & dc.subnormal),
-         i32(dg.subnormal)], ["sum"] * 9, (0, 1))
+         i32(dg.subnormal), i32(dc.subnormal)], ["sum"] * 10, (0, 1))
 
 
 def whole_leaf(c, g, r, s: Scales, options: Options, f: FloatFormat) -> tuple[WholeLeaf, jax.Array]:
@@ -75,9 +75,9 @@ def whole_leaf(c, g, r, s: Scales, options: Options, f: FloatFormat) -> tuple[Wh
     n_mis, n_sig, n_rare, max_abs, max_ratio, max_ulp = vreduce(per_row, kinds, (0,))
 
     def none(_):
-        return tuple(jnp.zeros((), jnp.int32) for _ in range(9))
+        return tuple(jnp.zeros((), jnp.int32) for _ in range(10))
 
-    nf_c, nf_g, new_nf, lost_nf, unjudged, ftz, sig_ftz, gold_fl, sub_g = lax.cond(
+    nf_c, nf_g, new_nf, lost_nf, unjudged, ftz, sig_ftz, gold_fl, sub_g, sub_c = lax.cond(
         n_rare > 0, lambda _: _rare_counts(c, g, r, s, options, f, eloc), none, None)
     padding = c.size - s.rows * s.cols    # a bucket's NaNs, equal in candidate and golden
     nf_c, nf_g = nf_c - padding, nf_g - padding
@@ -85,8 +85,8 @@ def whole_leaf(c, g, r, s: Scales, options: Options, f: FloatFormat) -> tuple[Wh
         mismatched=n_mis, significant=n_sig, nonfinite_candidate=nf_c, nonfinite_golden=nf_g,
         new_nonfinite=new_nf, lost_nonfinite=lost_nf, unjudged=unjudged, flushed=ftz,
         significant_not_flushed=n_sig - sig_ftz, golden_flushed=gold_fl,
-        subnormal_golden=sub_g, max_abs=max_abs, max_floor_ratio=max_ratio,
-        max_ulp=max_ulp), per_row[1]
+        subnormal_golden=sub_g, subnormal_candidate=sub_c, max_abs=max_abs,
+        max_floor_ratio=max_ratio, max_ulp=max_ulp), per_row[1]
 
 
 def conditioning_stats(c, g, r, s: Scales, options: Options,

@@ -55,6 +55,8 @@ class Counts:
       significant_not_flushed: significant elements that are not flushes.
       golden_flushed: golden +-0 where the candidate is subnormal (the golden flushed).
       subnormal_golden: subnormal golden values.
+      subnormal_candidate: subnormal candidate values (a kernel that flushes its results to zero
+        leaves none).
     """
 
     elements: int
@@ -69,6 +71,7 @@ class Counts:
     significant_not_flushed: int
     golden_flushed: int
     subnormal_golden: int
+    subnormal_candidate: int
 
 
 @dataclasses.dataclass(frozen=True)
