@@ -221,7 +221,7 @@ def vision_gemms():
     """The site indices of the six dot_generals of `small_vision_run`'s train step, by what each
     computes: `hidden`, `head` (forward), `head_w`, `head_x`, `hidden_w`, `hidden_x` (backward:
     the weight and the input gradients). Tests name sites this way because the numbering moves
-    between jax releases (jax 0.12.1's log_softmax is a custom_jvp: two more sites before the
+    between jax releases (jax 0.12.1's logsumexp is a custom_jvp: two more sites before the
     backward)."""
     import types
 
