@@ -11,7 +11,8 @@ import pytest
 # softmax}`), deprecated in 0.11 in favour of tokamax, are gone from jax 0.12.1
 PALLAS_OPS = "jax.experimental.pallas.ops.gpu"
 _WHY = {
-    "torch": "the test extra brings torch on Python 3.11 only",
+    "torch": "the test extra brings it on Python 3.11 only (elsewhere it is a multi-GB CUDA "
+             "download); pip install -e '.[torch]'",
     "rotary_embedding_torch": "the test extra brings it on Python 3.11 only",
     PALLAS_OPS: f"jax {jax.__version__} does not ship its Triton Pallas ops: 0.12.1 dropped "
                 "them for tokamax",
@@ -29,7 +30,8 @@ def missing(modules: Iterable[str]) -> Optional[str]:
     """Why a test cannot run here (a module it needs is not installed), or None."""
     for mod in modules:
         if not _installed(mod):
-            why = next((w for prefix, w in _WHY.items() if mod.startswith(prefix)), None)
+            why = next((w for pkg, w in _WHY.items()
+                        if mod == pkg or mod.startswith(pkg + ".")), None)
             return f"{mod} is not installed: {why or 'pip install -e .[test]'}"
     return None
 

@@ -1,12 +1,12 @@
 """Every example runs as a script, in a small setting, and prints what it promises."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import subprocess
 import sys
 
+import needs
 import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
@@ -42,9 +42,7 @@ def test_ffi_kernel():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None,
-                    reason="torch is not installed: the test extra brings it on Python 3.11 only "
-                    "(elsewhere it is a multi-GB CUDA download); pip install -e '.[torch]'")
+@needs.skip_unless("torch")
 def test_torch_port():
     out = _run("torch_port.py")
     lines = out.splitlines()

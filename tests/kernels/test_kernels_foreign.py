@@ -7,6 +7,7 @@ import sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import needs
 import numpy as np
 import pytest
 
@@ -20,9 +21,7 @@ except ImportError:  # the [torch] extra is left out where torch would be a mult
     torch = None
 
 # Marks a test (or a parameter) that needs PyTorch; the skip says why it is missing.
-needs_torch = pytest.mark.skipif(
-    torch is None, reason="torch is not installed: the test extra brings it on Python 3.11 only "
-    "(elsewhere it is a multi-GB CUDA download); pip install -e '.[torch]' to run these tests")
+needs_torch = needs.skip_unless("torch")
 WHICH = ["numpy", pytest.param("torch", marks=needs_torch)]
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
