@@ -506,6 +506,24 @@ def test_errors():
         check_kernel(opaque, ref, A, B, variants=("example",))
 
 
+@pytest.mark.parametrize("jitted", [False, True])
+def test_outputs_of_two_dtypes_are_named_before_the_gradients(jitted):
+    """A reference that promotes bfloat16 to float32 (a NumPy scalar is not weakly typed): the
+    check says what each returned, before its gradients (one cotangent cannot serve both) or
+    the analyzer (which compares one dtype) fail on it."""
+    x = jax.random.normal(jax.random.key(0), (16, 64)).astype(jnp.bfloat16)
+
+    def promoting(x):
+        return 0.5 * x * (1 + jax.scipy.special.erf(x / np.sqrt(2)))
+
+    candidate = jax.jit(jax.nn.gelu) if jitted else jax.nn.gelu
+    for backward in (True, False):
+        with pytest.raises(PeatError, match=r"candidate returned bfloat16\[16, 64\], the "
+                                            r"reference float32\[16, 64\]: .*NumPy scalar"):
+            check_kernel(candidate, jax.jit(promoting) if jitted else promoting, x,
+                         variants=("example",), backward=backward)
+
+
 @pytest.mark.parametrize("fails", ["at_run_time", "backward"])
 def test_a_jitted_reference_that_fails_says_which_part(fails):
     """A jitted reference runs forward and backward as one program; when that program fails,

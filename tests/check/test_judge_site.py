@@ -88,6 +88,19 @@ def test_float64_evidence_leaves_out_what_no_reference_judges():
     assert f.error == 0.0 and f.error64 == float("inf")   # NaN where the reference is finite
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_a_float64_run_that_computed_in_float32_is_no_float64_evidence(dtype):
+    """A kernel that computes in float32 inside (keras' ops under `jax.enable_x64`, which read
+    jax's global flag) returns float32 values from float64 inputs: off a bfloat16 or float16
+    grid, and still no float64 run."""
+    x = np.random.default_rng(0).standard_normal(64)
+    ref64 = np.exp(x)
+    golden = ref64.astype(jnp.dtype(dtype))
+    in_float32 = np.exp(x.astype(np.float32)).astype(np.float64)
+    assert not float64_evidence(golden, golden, ref64, in_float32).in_float64
+    assert float64_evidence(golden, golden, ref64, np.exp(x)).in_float64
+
+
 def _softmax_port(x):
     e = jnp.exp(x - jnp.max(x, -1, keepdims=True))
     return e / jnp.sum(e, -1, keepdims=True)

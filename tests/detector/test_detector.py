@@ -12,7 +12,8 @@ from peat_jax._src import faults as F
 from peat_jax._src.analyzer import analyze
 from peat_jax._src.analyzer.noise import distribution_ok
 from peat_jax._src.detector import (CHECK_MODELS, MODELS, PASSING, RULES, Diagnosis,
-                                    Float64Evidence, bitwise_equal, by_float64, detect)
+                                    Float64Evidence, bitwise_equal, by_float64, detect,
+                                    only_near_overflow)
 from peat_jax._src.errors import PeatError
 
 SHAPE = (16, 32)
@@ -241,6 +242,44 @@ def test_float64_rules_pass_a_right_algorithm_a_few_elements_past_the_floor(
     if expected == "numerical_noise":
         assert d.evidence["rule"] == "another_algorithms_rounding"
         assert d.evidence["would_be"] == model and d.summary.startswith("passes:")
+
+
+# haiku's RMSNorm gradient at inputs near 2**62 (check_kernel's near_overflow variant): jax's
+# rsqrt derivative, -ans / (2 x), underflows float32 where the reference's x / sqrt(mean(x * x))
+# stays exact; the dense error (26% of the gradient's scale) fits no narrower format, and run in
+# float64 the candidate is right. A format that fits is the dtype's own: float64 cannot clear it.
+@pytest.mark.parametrize("where,formats,expected", [
+    ("inputs", [], "unstable_algorithm"),
+    ("inputs", ["bfloat16"], "reduced_precision"),
+    ("outputs", [], "reduced_precision"),
+])
+def test_float64_rules_call_a_dense_error_no_format_fits_unstable_when_float64_is_right(
+        where, formats, expected):
+    f = Float64Evidence(dtype="float32", error=0.26, error64=1e-16, scale=1.0,
+                        reference_error=1.5e-7)
+    d = by_float64(_failing("reduced_precision", where=where, formats=formats), f)
+    assert d.model == expected and not d.passed, d.summary
+    if expected == "unstable_algorithm":
+        assert d.evidence["would_be"] == "reduced_precision"
+        assert "the algorithm is right" in d.summary
+
+
+# keras' RMSNorm gradient at inputs near 2**62: wrong in one row (rsqrt's derivative underflows
+# float32), right on every other variant; the signature rules see one element off by a bit.
+@pytest.mark.parametrize("model,failing,passing,expected", [
+    ("bit_flip", {"near_overflow"}, {"example", "large", "tiny"}, "unstable_algorithm"),
+    ("permuted_layout", {"near_overflow"}, {"example"}, "unstable_algorithm"),
+    ("nan_inf", {"near_overflow"}, {"example"}, "nan_inf"),            # says so already
+    ("bit_flip", {"near_overflow", "large"}, {"example"}, "bit_flip"),  # not only there
+    ("bit_flip", {"near_overflow"}, {"large"}, "bit_flip"),             # the example fails
+])
+def test_a_check_failing_only_near_overflow_is_an_unstable_algorithm(model, failing, passing,
+                                                                    expected):
+    d = only_near_overflow(_failing(model), failing, passing)
+    assert d.model == expected and not d.passed, d.summary
+    if expected != model:
+        assert d.evidence["rule"] == "only_near_overflow" and d.evidence["would_be"] == model
+        assert "wrong only at inputs near overflow" in d.summary
 
 
 # A layer norm's gradient at inputs near 2**63: the reference's own float32 error is 8% of the

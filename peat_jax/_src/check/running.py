@@ -113,15 +113,21 @@ def outputs_of(fn, args, positions, ct, what: str, variant: str, like: Any = Non
     out = o.forward if o is not None else forward_of(fn, args, what, variant)
     if isinstance(out, str):
         return out
-    if like is not None and not same_structure(out, like):
-        raise PeatError(f"on the {variant!r} inputs the candidate returned "
-                        f"{jax.tree.map(np.shape, out)}, the reference "
-                        f"{jax.tree.map(np.shape, like)}")
+    if like is not None and not same_structure(out, like, dtypes=True):
+        raise PeatError(f"on the {variant!r} inputs the candidate returned {_typed(out)}, the "
+                        f"reference {_typed(like)}: make them return the same structure, shapes "
+                        "and dtypes (a NumPy scalar or a float64 constant in one of them "
+                        "promotes its result)")
     if not positions:
         return {"forward": out}
     if o is None:
         o = _gradients(fn, args, positions, ct, what)._replace(forward=out)
     return named_outputs(o, positions, vjp_forward)
+
+
+def _typed(tree) -> str:
+    """`tree`'s leaves as dtype[shape] (``bfloat16[16, 64]``), in its structure."""
+    return str(jax.tree.map(lambda x: f"{jnp.result_type(x)}{list(np.shape(x))}", tree))
 
 
 def run_variant(candidate, reference, variant: str, args, positions, rng: np.random.Generator,

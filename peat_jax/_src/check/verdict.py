@@ -7,8 +7,8 @@ from typing import Optional, Sequence
 from peat_jax._src.check.judging import Check, narrowest_formats
 from peat_jax._src.check.programs import VJP_FORWARD
 from peat_jax._src.check.running import Float64Reference
-from peat_jax._src.detector import (UNSTABLE_FACTOR, Diagnosis, narrowed, only_on_odd_shapes,
-                                    severity)
+from peat_jax._src.detector import (UNSTABLE_FACTOR, Diagnosis, narrowed, only_near_overflow,
+                                    only_on_odd_shapes, severity)
 from peat_jax._src.judge.reference_spread import Spread
 from peat_jax._src.judge.rounding import ROUNDING_SAMPLES
 
@@ -32,8 +32,10 @@ def verdict(checks: Sequence[Check], *, skipped: dict[str, str],
     worst = max(checks, key=_check_key)
     failing = [c for c in checks if not c.diagnosis.passed]
     passing = {c.variant for c in checks} - {c.variant for c in failing}
-    d = only_on_odd_shapes(narrowed(worst.diagnosis, narrowest_formats(checks)),
-                           {c.variant for c in failing}, passing)
+    failing_variants = {c.variant for c in failing}
+    d = only_near_overflow(only_on_odd_shapes(narrowed(worst.diagnosis, narrowest_formats(checks)),
+                                              failing_variants, passing),
+                           failing_variants, passing)
     ev = dict(d.evidence)
     note = ""
     if spread:

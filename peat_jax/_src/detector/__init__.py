@@ -2,10 +2,13 @@
 
 The package's face is this module. Its parts: `rules` (the catalogue: `RULES`, each rule's
 sufficient condition in its docstring, and `detect`), `float64` (the rules over the candidate's
-own float64 run, `by_float64`) and `machinery` (the `Diagnosis` and `Rule` types, helpers over a
-signature, the phrasing of summaries, `narrowed` and `severity`). The floors a signature is built
-with live in `peat_jax._src.judge`.
+own float64 run, `by_float64`), `by_variant` (the rules over which of `check_kernel`'s input
+variants fail: `only_on_odd_shapes`, `only_near_overflow`) and `machinery` (the `Diagnosis` and
+`Rule` types, helpers over a signature, the phrasing of summaries, `narrowed` and `severity`).
+The floors a signature is built with live in `peat_jax._src.judge`.
 """
+from peat_jax._src.detector.by_variant import only_near_overflow as only_near_overflow
+from peat_jax._src.detector.by_variant import only_on_odd_shapes as only_on_odd_shapes
 from peat_jax._src.detector.float64 import FLOAT64_RULES as FLOAT64_RULES
 from peat_jax._src.detector.float64 import UNSTABLE_FACTOR as UNSTABLE_FACTOR
 from peat_jax._src.detector.float64 import Float64Evidence as Float64Evidence
@@ -22,8 +25,8 @@ from peat_jax._src.detector.rules import RULES as RULES
 from peat_jax._src.detector.rules import bitwise_equal as bitwise_equal
 from peat_jax._src.detector.rules import data_race as data_race
 from peat_jax._src.detector.rules import detect as detect
-from peat_jax._src.detector.rules import only_on_odd_shapes as only_on_odd_shapes
 
 __all__ = ["CHECK_MODELS", "Diagnosis", "FLOAT64_RULES", "Float64Evidence", "MODELS", "PASSING",
            "RULES", "Rule", "UNSTABLE_FACTOR", "bitwise_equal", "by_float64", "data_race",
-           "detect", "format_phrase", "narrowed", "only_on_odd_shapes", "severity"]
+           "detect", "format_phrase", "narrowed", "only_near_overflow", "only_on_odd_shapes",
+           "severity"]

@@ -693,25 +693,6 @@ CHECK_MODELS: tuple[str, ...] = tuple(m for _, m, _ in FLOAT64_RULES if m not in
 run, the race detector); every other model has a rule in `RULES`."""
 
 
-def only_on_odd_shapes(d: Diagnosis, failing_variants: Iterable[str],
-                       passing_variants: Iterable[str]) -> Diagnosis:
-    """`d` (the worst check of a `check_kernel` call) renamed ``tile_boundary`` when this
-    sufficient condition holds: every failing check is on the "odd_shape" variant (each
-    dimension made indivisible by any block size 8..128) and every check on the example inputs
-    passes (the same code is right when the shapes divide: the partial blocks are
-    mishandled, e.g. a loop or grid that rounds the block count down). `d` itself otherwise,
-    and when it already names a bug of layout or a race."""
-    failing, passing = set(failing_variants), set(passing_variants)
-    if d.passed or failing != {"odd_shape"} or "example" not in passing or d.model in (
-            "tile_boundary", "permuted_layout", "data_race"):
-        return d
-    ev = {**d.evidence, "rule": "only_on_odd_shapes", "would_be": d.model}
-    return Diagnosis("tile_boundary", False, 0.8, plain(ev),
-                     "fails: tile_boundary, wrong only when a dimension is not a multiple of "
-                     f"the block (passes on the example shapes; the rules alone said {d.model}: "
-                     f"{d.summary.split(', ', 1)[-1]})")
-
-
 def detect(signature: Signature, *, allow: Iterable[str] = ()) -> Diagnosis:
     """The error model of a signature: the first rule of `RULES` whose condition holds.
 

@@ -23,7 +23,11 @@ def float64_evidence(candidate, reference, reference64, candidate64) -> Float64E
     units over the elements where the float64 reference is finite (elsewhere nothing judges
     them: the analyzer's unjudged elements); the reference's own error over those where it is
     finite too (its overflow in its dtype would excuse anything). The scale is max |float64
-    reference| over its finite elements."""
+    reference| over its finite elements. The float64 run counts as one (`in_float64`) where
+    some value of it lies off the grid of the candidate's dtype, or of float32 for a narrower
+    dtype: a bfloat16 kernel that computes in float32 inside (keras' ops do under
+    `jax.enable_x64`: they read jax's global flag) returns float32 values from float64 inputs,
+    which say nothing of its algorithm in float64."""
     leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(reference64)]
     finite = [x[np.isfinite(x)] for x in leaves]
     scale = max((float(np.abs(x).max()) for x in finite if x.size), default=0.0)
@@ -35,7 +39,7 @@ def float64_evidence(candidate, reference, reference64, candidate64) -> Float64E
         dtype=dtype, error=max_difference(candidate, reference64, judged),
         error64=max_difference(candidate64, reference64, judged), scale=scale,
         reference_error=max_difference(reference, reference64, own),
-        in_float64=beyond_grid(candidate64, dtype))
+        in_float64=beyond_grid(candidate64, str(jnp.promote_types(dtype, jnp.float32))))
 
 
 def beyond_grid(tree, dtype: str) -> bool:

@@ -1,0 +1,55 @@
+"""Sufficient conditions on which of `check_kernel`'s input variants fail: a failing verdict
+renamed by where it fails (the checks' variants), not by what one signature shows."""
+from __future__ import annotations
+
+from typing import Iterable
+
+from peat_jax._src.detector.machinery import Diagnosis, plain
+
+
+def only_on_odd_shapes(d: Diagnosis, failing_variants: Iterable[str],
+                       passing_variants: Iterable[str]) -> Diagnosis:
+    """`d` (the worst check of a `check_kernel` call) renamed ``tile_boundary`` when this
+    sufficient condition holds: every failing check is on the "odd_shape" variant (each
+    dimension made indivisible by any block size 8..128) and every check on the example inputs
+    passes (the same code is right when the shapes divide: the partial blocks are
+    mishandled, e.g. a loop or grid that rounds the block count down). `d` itself otherwise,
+    and when it already names a bug of layout or a race."""
+    failing, passing = set(failing_variants), set(passing_variants)
+    if d.passed or failing != {"odd_shape"} or "example" not in passing or d.model in (
+            "tile_boundary", "permuted_layout", "data_race"):
+        return d
+    ev = {**d.evidence, "rule": "only_on_odd_shapes", "would_be": d.model}
+    return Diagnosis("tile_boundary", False, 0.8, plain(ev),
+                     "fails: tile_boundary, wrong only when a dimension is not a multiple of "
+                     f"the block (passes on the example shapes; the rules alone said {d.model}: "
+                     f"{d.summary.split(', ', 1)[-1]})")
+
+
+_RANGE_MODELS = frozenset({"unstable_algorithm", "nan_inf", "flush_to_zero", "nondeterministic",
+                           "data_race", "tile_boundary"})
+"""Models `only_near_overflow` keeps: they already say what went wrong with the values' range,
+or name what no input magnitude causes."""
+
+
+def only_near_overflow(d: Diagnosis, failing_variants: Iterable[str],
+                       passing_variants: Iterable[str]) -> Diagnosis:
+    """`d` (the worst check of a `check_kernel` call) renamed ``unstable_algorithm`` when this
+    sufficient condition holds: every failing check is on the "near_overflow" variant (inputs
+    scaled to max |x| ~ 2**(emax/2 - 1), whose squares and products reach the dtype's
+    largest values) and every check on the example inputs passes: the code computes the right
+    function at ordinary magnitudes, and an intermediate leaves the dtype's range at extreme
+    ones where the reference's formula stays inside it (keras' and haiku's RMSNorm and
+    LayerNorm gradients, where jax's rsqrt derivative -ans / (2 x) underflows float32, against
+    x / sqrt(mean(x * x)); the signature rules called them bit_flip, permuted_layout or
+    reduced_precision). `d` itself otherwise, and when its model is one of `_RANGE_MODELS`."""
+    failing, passing = set(failing_variants), set(passing_variants)
+    if d.passed or failing != {"near_overflow"} or "example" not in passing or (
+            d.model in _RANGE_MODELS):
+        return d
+    ev = {**d.evidence, "rule": "only_near_overflow", "would_be": d.model}
+    return Diagnosis("unstable_algorithm", False, 0.6, plain(ev),
+                     "fails: unstable_algorithm, wrong only at inputs near overflow (an "
+                     "intermediate leaves the dtype's range where the reference's formula does "
+                     "not; passes on the example inputs; the rules alone said "
+                     f"{d.model}: {d.summary.split(', ', 1)[-1]})")
