@@ -105,11 +105,11 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
       (``evidence["formats"]``: "inputs rounded to tf32"). A failing output is also judged by
       the candidate run in float64 (``unstable_algorithm``, ``approximation``); a candidate
       stopped by the Pallas interpreter's race detector is ``data_race``; one failing only on
-      "odd_shape" is ``tile_boundary``.
+      "odd_shape" is ``tile_boundary``, only on "near_overflow" ``unstable_algorithm``.
 
     Raises:
-      PeatError: bad options, a candidate or reference that raises, or outputs whose structure
-        or shapes differ.
+      PeatError: bad options, a candidate or reference that raises, or outputs whose structure,
+        shapes or dtypes differ.
     """
     repeats = _validated_repeats(candidate, reference, example_args, repeats)
     names = variant_names(variants)
