@@ -13,7 +13,7 @@ from peat_jax._src.analyzer import analyze
 from peat_jax._src.analyzer.noise import distribution_ok
 from peat_jax._src.detector import (CHECK_MODELS, MODELS, PASSING, RULES, Diagnosis,
                                     Float64Evidence, bitwise_equal, by_float64, detect,
-                                    only_near_overflow)
+                                    only_near_overflow, only_on_odd_shapes)
 from peat_jax._src.errors import PeatError
 
 SHAPE = (16, 32)
@@ -264,22 +264,33 @@ def test_float64_rules_call_a_dense_error_no_format_fits_unstable_when_float64_i
         assert "the algorithm is right" in d.summary
 
 
+_NEAR = (only_near_overflow, "unstable_algorithm", "wrong only at inputs near overflow")
+_ODD = (only_on_odd_shapes, "tile_boundary",
+        "wrong only when a dimension is not a multiple of the block")
+
+
 # keras' RMSNorm gradient at inputs near 2**62: wrong in one row (rsqrt's derivative underflows
-# float32), right on every other variant; the signature rules see one element off by a bit.
-@pytest.mark.parametrize("model,failing,passing,expected", [
-    ("bit_flip", {"near_overflow"}, {"example", "large", "tiny"}, "unstable_algorithm"),
-    ("permuted_layout", {"near_overflow"}, {"example"}, "unstable_algorithm"),
-    ("nan_inf", {"near_overflow"}, {"example"}, "nan_inf"),            # says so already
-    ("bit_flip", {"near_overflow", "large"}, {"example"}, "bit_flip"),  # not only there
-    ("bit_flip", {"near_overflow"}, {"large"}, "bit_flip"),             # the example fails
+# float32), right on every other variant; the signature rules see one element off by a bit. A
+# K loop that rounds the block count down: right when the shapes divide.
+@pytest.mark.parametrize("rule,model,failing,passing,renamed", [
+    (_NEAR, "bit_flip", {"near_overflow"}, {"example", "large", "tiny"}, True),
+    (_NEAR, "permuted_layout", {"near_overflow"}, {"example"}, True),
+    (_NEAR, "nan_inf", {"near_overflow"}, {"example"}, False),          # says so already
+    (_NEAR, "bit_flip", {"near_overflow", "large"}, {"example"}, False),  # not only there
+    (_NEAR, "bit_flip", {"near_overflow"}, {"large"}, False),           # the example fails
+    (_ODD, "random_value", {"odd_shape"}, {"example", "large"}, True),
+    (_ODD, "permuted_layout", {"odd_shape"}, {"example"}, False),       # a layout bug already
+    (_ODD, "random_value", {"odd_shape", "large"}, {"example"}, False),
+    (_ODD, "random_value", {"odd_shape"}, {"large"}, False),
 ])
-def test_a_check_failing_only_near_overflow_is_an_unstable_algorithm(model, failing, passing,
-                                                                    expected):
-    d = only_near_overflow(_failing(model), failing, passing)
-    assert d.model == expected and not d.passed, d.summary
-    if expected != model:
-        assert d.evidence["rule"] == "only_near_overflow" and d.evidence["would_be"] == model
-        assert "wrong only at inputs near overflow" in d.summary
+def test_a_check_failing_only_on_one_variant_is_named_by_it(rule, model, failing, passing,
+                                                            renamed):
+    only, target, phrase = rule
+    d = only(_failing(model), failing, passing)
+    assert d.model == (target if renamed else model) and not d.passed, d.summary
+    if renamed:
+        assert d.evidence["rule"] == only.__name__ and d.evidence["would_be"] == model
+        assert phrase in d.summary
 
 
 # A layer norm's gradient at inputs near 2**63: the reference's own float32 error is 8% of the

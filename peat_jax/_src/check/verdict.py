@@ -31,8 +31,8 @@ def verdict(checks: Sequence[Check], *, skipped: dict[str, str],
     reference that pins a narrower dtype."""
     worst = max(checks, key=_check_key)
     failing = [c for c in checks if not c.diagnosis.passed]
-    passing = {c.variant for c in checks} - {c.variant for c in failing}
     failing_variants = {c.variant for c in failing}
+    passing = {c.variant for c in checks} - failing_variants
     d = only_near_overflow(only_on_odd_shapes(narrowed(worst.diagnosis, narrowest_formats(checks)),
                                               failing_variants, passing),
                            failing_variants, passing)

@@ -7,6 +7,21 @@ from typing import Iterable
 from peat_jax._src.detector.machinery import Diagnosis, plain
 
 
+def _only_on(variant: str, rule: str, model: str, confidence: float, keep: Iterable[str],
+             why: str, d: Diagnosis, failing_variants: Iterable[str],
+             passing_variants: Iterable[str]) -> Diagnosis:
+    """`d` renamed `model` by `rule` when every failing check is on `variant` and every check
+    on the example inputs passes, unless `d` passes or its model is in `keep`; `why` opens the
+    summary's reason (the would-be model and its summary close it)."""
+    if d.passed or set(failing_variants) != {variant} or "example" not in set(
+            passing_variants) or d.model in keep:
+        return d
+    ev = {**d.evidence, "rule": rule, "would_be": d.model}
+    return Diagnosis(model, False, confidence, plain(ev),
+                     f"fails: {model}, {why}; the rules alone said {d.model}: "
+                     f"{d.summary.split(', ', 1)[-1]})")
+
+
 def only_on_odd_shapes(d: Diagnosis, failing_variants: Iterable[str],
                        passing_variants: Iterable[str]) -> Diagnosis:
     """`d` (the worst check of a `check_kernel` call) renamed ``tile_boundary`` when this
@@ -15,15 +30,10 @@ def only_on_odd_shapes(d: Diagnosis, failing_variants: Iterable[str],
     passes (the same code is right when the shapes divide: the partial blocks are
     mishandled, e.g. a loop or grid that rounds the block count down). `d` itself otherwise,
     and when it already names a bug of layout or a race."""
-    failing, passing = set(failing_variants), set(passing_variants)
-    if d.passed or failing != {"odd_shape"} or "example" not in passing or d.model in (
-            "tile_boundary", "permuted_layout", "data_race"):
-        return d
-    ev = {**d.evidence, "rule": "only_on_odd_shapes", "would_be": d.model}
-    return Diagnosis("tile_boundary", False, 0.8, plain(ev),
-                     "fails: tile_boundary, wrong only when a dimension is not a multiple of "
-                     f"the block (passes on the example shapes; the rules alone said {d.model}: "
-                     f"{d.summary.split(', ', 1)[-1]})")
+    return _only_on("odd_shape", "only_on_odd_shapes", "tile_boundary", 0.8,
+                    ("tile_boundary", "permuted_layout", "data_race"),
+                    "wrong only when a dimension is not a multiple of the block (passes on the "
+                    "example shapes", d, failing_variants, passing_variants)
 
 
 _RANGE_MODELS = frozenset({"unstable_algorithm", "nan_inf", "flush_to_zero", "nondeterministic",
@@ -43,13 +53,8 @@ def only_near_overflow(d: Diagnosis, failing_variants: Iterable[str],
     LayerNorm gradients, where jax's rsqrt derivative -ans / (2 x) underflows float32, against
     x / sqrt(mean(x * x)); the signature rules called them bit_flip, permuted_layout or
     reduced_precision). `d` itself otherwise, and when its model is one of `_RANGE_MODELS`."""
-    failing, passing = set(failing_variants), set(passing_variants)
-    if d.passed or failing != {"near_overflow"} or "example" not in passing or (
-            d.model in _RANGE_MODELS):
-        return d
-    ev = {**d.evidence, "rule": "only_near_overflow", "would_be": d.model}
-    return Diagnosis("unstable_algorithm", False, 0.6, plain(ev),
-                     "fails: unstable_algorithm, wrong only at inputs near overflow (an "
-                     "intermediate leaves the dtype's range where the reference's formula does "
-                     "not; passes on the example inputs; the rules alone said "
-                     f"{d.model}: {d.summary.split(', ', 1)[-1]})")
+    return _only_on("near_overflow", "only_near_overflow", "unstable_algorithm", 0.6,
+                    _RANGE_MODELS,
+                    "wrong only at inputs near overflow (an intermediate leaves the dtype's "
+                    "range where the reference's formula does not; passes on the example inputs",
+                    d, failing_variants, passing_variants)
