@@ -250,6 +250,34 @@ def _two_pass_standardize(x):
     return (x - mean) / jnp.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
 
 
+def _rms_norm_rsqrt_in_float32(x, w):
+    """RMSNorm as keras.ops.rms_normalization computes it under jax's default flags: with
+    rsqrt, in float32 whatever the inputs' dtype (its float64 run is no float64 evidence)."""
+    y = x.astype(jnp.float32)
+    rms = jax.lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + 1e-6)
+    return (y * rms * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def _rms_norm_formula(x, w):
+    return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * w
+
+
+def test_a_kernel_wrong_only_beyond_training_magnitudes_passes_saying_so():
+    """rsqrt's derivative, -ans / (2 x), underflows float32 where a row's sum of squares nears
+    its max (inputs near 2**62.5): the gradient loses a row there, while the formula stays
+    exact. No training reaches those magnitudes: it passes, and says where it fails."""
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (8, 64))
+    w = 1 + 0.1 * jax.random.normal(k[1], (64,))
+    d = check_kernel(jax.jit(_rms_norm_rsqrt_in_float32), jax.jit(_rms_norm_formula), x, w,
+                     variants=("near_overflow",), repeats=1)
+    assert d.passed, d.summary
+    beyond = d.evidence["beyond_training_range"]
+    assert beyond["model"] == "unstable_algorithm" and beyond["max_abs_log2"] == 62.5
+    assert beyond["failing_checks"] == ["grad[0] on near_overflow"], beyond
+    assert "fails as unstable_algorithm only at inputs near overflow" in d.summary
+
+
 @pytest.mark.slow
 def test_a_right_algorithm_where_the_reference_itself_is_inaccurate_passes_saying_so():
     """At inputs near 2**63 a layer norm's gradient loses float32's accuracy in the reference

@@ -12,8 +12,8 @@ from peat_jax._src import faults as F
 from peat_jax._src.analyzer import analyze
 from peat_jax._src.analyzer.noise import distribution_ok
 from peat_jax._src.detector import (CHECK_MODELS, MODELS, PASSING, RULES, Diagnosis,
-                                    Float64Evidence, bitwise_equal, by_float64, detect,
-                                    only_near_overflow, only_on_odd_shapes)
+                                    Float64Evidence, beyond_training_range, bitwise_equal,
+                                    by_float64, detect, only_near_overflow, only_on_odd_shapes)
 from peat_jax._src.errors import PeatError
 
 SHAPE = (16, 32)
@@ -291,6 +291,27 @@ def test_a_check_failing_only_on_one_variant_is_named_by_it(rule, model, failing
     if renamed:
         assert d.evidence["rule"] == only.__name__ and d.evidence["would_be"] == model
         assert phrase in d.summary
+
+
+# keras' RMSNorm gradient in float32 or bfloat16 fails only at inputs near 2**62.5, a magnitude
+# no training reaches: check_kernel passes it, noting it. float16's near_overflow inputs
+# (2**6.5) are activations training has: a failure there still fails.
+@pytest.mark.parametrize("model,failing,passing,log2,beyond", [
+    ("unstable_algorithm", {"near_overflow"}, {"example", "large"}, 62.5, True),
+    ("nan_inf", {"near_overflow"}, {"example"}, 62.5, True),
+    ("flush_to_zero", {"near_overflow"}, {"example"}, 62.5, True),
+    ("unstable_algorithm", {"near_overflow"}, {"example"}, 6.5, False),        # float16
+    ("unstable_algorithm", {"near_overflow"}, {"example"}, 32, False),         # at the bound
+    ("nondeterministic", {"near_overflow"}, {"example"}, 62.5, False),         # not of range
+    ("data_race", {"near_overflow"}, {"example"}, 62.5, False),
+    ("unstable_algorithm", {"near_overflow", "large"}, {"example"}, 62.5, False),
+    ("unstable_algorithm", {"near_overflow"}, {"large"}, 62.5, False),         # example fails
+])
+def test_a_range_failure_only_beyond_training_magnitudes_is_told_apart(model, failing, passing,
+                                                                      log2, beyond):
+    assert beyond_training_range(_failing(model), failing, passing, log2) is beyond
+    assert not beyond_training_range(Diagnosis(model, True, 1.0, {}, "passes"), failing,
+                                     passing, log2)
 
 
 # A layer norm's gradient at inputs near 2**63: the reference's own float32 error is 8% of the

@@ -48,11 +48,8 @@ class Entry:
         failing model), or the failing models accepted (a tuple of names).
       what: one line: what the candidate is, or the bug.
       backward: also compare gradients (`check_kernel`'s `backward`: True, or the positions).
-      variants: the `check_kernel` variants: by default all but "near_overflow" (inputs near
-        sqrt(max): the products of an attention, a norm's squares overflow float32 in the math
-        itself; the layer norms take it, where the reference's own gradient loses float32's
-        accuracy) and "odd_shape" (a second compile per entry; the block kernels take only
-        multiples of their blocks).
+      variants: the `check_kernel` variants: by default all but "odd_shape" (a second compile
+        per entry; the block kernels take only multiples of their blocks).
       needs: the modules the entry imports; it is skipped where one is missing.
       model: for a bug expected to merely fail ("fails"), the error model that would name it
         best where the taxonomy has one (`attribution` scores it; the test accepts any failure).
@@ -72,7 +69,8 @@ class Entry:
     expected: Union[str, tuple]
     what: str
     backward: Union[bool, tuple[int, ...]] = True
-    variants: Sequence[str] = ("example", "large", "tiny", "subnormal", "zeros", "outliers")
+    variants: Sequence[str] = ("example", "large", "tiny", "near_overflow", "subnormal", "zeros",
+                               "outliers")
     needs: tuple = ()
     model: Optional[str] = None
     gap: str = ""

@@ -25,7 +25,7 @@ from peat_jax._src.check.judging import (Check, FormatOutputs, Found, Options, P
                                          reference_spread, repeat_checks, within_spread)
 from peat_jax._src.check.programs import Pinned, differentiated_positions, pairing_for, to_jax
 from peat_jax._src.check.running import RACE, float64_reference, run_variant
-from peat_jax._src.check.variants import make_variant, variant_names
+from peat_jax._src.check.variants import make_variant, near_overflow_log2, variant_names
 from peat_jax._src.check.verdict import verdict
 from peat_jax._src.detector import Diagnosis
 from peat_jax._src.errors import PeatError
@@ -83,17 +83,15 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
       backward: also compare gradients: True for every positional argument holding floats,
         or the positions to differentiate (``backward=(0,)`` for a loss of logits and labels:
         data such as labels and masks is not differentiated in training); False: none.
-      atol, rtol: an escape hatch, not the mechanism: candidate elements within
-        ``atol + rtol * |golden|`` are set to the golden before the analysis.
+      atol, rtol: an escape hatch: elements within ``atol + rtol * |golden|`` count as equal.
       reduction_length, noise_factor: passed to `analyze` (the dtype bound's K; F).
       reference_precision: the matmul precision the reference (and its float64 evaluation) is
         traced at: "highest" (default: full float32, where a GPU would use TF32), "high",
         "default", jax's other names for them ("float32", "tensorfloat32", "bfloat16") or a
         `jax.lax.Precision`. The candidate runs as written.
       conditioning: also evaluate the float64 reference on 3 perturbations of the inputs at
-        their last bit, whose element-wise spread is the conditioning floor: a candidate
-        within what the problem's conditioning allows passes. False: 3 fewer float64
-        evaluations per variant.
+        their last bit, whose element-wise spread is the conditioning floor (a candidate
+        within it passes); False: 3 fewer float64 evaluations per variant.
 
     Returns:
       The worst `Diagnosis` over all checks. ``evidence["origin"]`` is ``{"variant": ...,
@@ -105,11 +103,12 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
       (``evidence["formats"]``: "inputs rounded to tf32"). A failing output is also judged by
       the candidate run in float64 (``unstable_algorithm``, ``approximation``); a candidate
       stopped by the Pallas interpreter's race detector is ``data_race``; one failing only on
-      "odd_shape" is ``tile_boundary``, only on "near_overflow" ``unstable_algorithm``.
+      "odd_shape" is ``tile_boundary``, only on "near_overflow" ``unstable_algorithm`` (which
+      passes, noted, where those inputs are beyond any training's: float32, bfloat16).
 
     Raises:
-      PeatError: bad options, a candidate or reference that raises, or outputs whose structure,
-        shapes or dtypes differ.
+      PeatError: bad options, a raising candidate or reference, outputs of unlike structure,
+        shapes or dtypes.
     """
     repeats = _validated_repeats(candidate, reference, example_args, repeats)
     names = variant_names(variants)
@@ -132,7 +131,8 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
         pool.shutdown(cancel_futures=True)   # a raising candidate leaves analyses queued
     checks, no_rounding = _second_looks(checks, candidate, reference, found, opts, seed)
     return verdict(checks, skipped=found.skipped, spread=found.spread, precision=precision,
-                    no_float64=found.why64, float64=float64, no_rounding=no_rounding)
+                   no_float64=found.why64, float64=float64, no_rounding=no_rounding,
+                   near_overflow_log2=near_overflow_log2(example_args))
 
 
 def _compile_analyses_ahead(reference, example_args: tuple, positions, opts: Options) -> None:

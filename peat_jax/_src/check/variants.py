@@ -33,6 +33,19 @@ def _pow2_scale(x: np.ndarray, target_log2: float) -> np.ndarray:
     return (x.astype(np.float64) * 2.0 ** k).astype(x.dtype)
 
 
+def _near_overflow_log2(fmt) -> float:
+    """log2 of max |x| on the "near_overflow" variant: emax/2 - 1, whose squares and products
+    reach the dtype's largest values."""
+    return fmt.max_exponent / 2 - 1
+
+
+def near_overflow_log2(args: tuple) -> float:
+    """log2 of the least max |x| the "near_overflow" variant gives a float leaf of `args`
+    (float32 and bfloat16: 62.5, float16: 6.5); inf without float leaves."""
+    return min((_near_overflow_log2(float_format(jax.numpy.result_type(x)))
+                for x in jax.tree_util.tree_leaves(args) if is_float_leaf(x)), default=math.inf)
+
+
 def _variant_leaf(name: str, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     fmt = float_format(x.dtype)
     emax, emin = fmt.max_exponent, fmt.min_exponent
@@ -41,7 +54,7 @@ def _variant_leaf(name: str, x: np.ndarray, rng: np.random.Generator) -> np.ndar
     if name == "tiny":
         return _pow2_scale(x, emin / 4)
     if name == "near_overflow":
-        return _pow2_scale(x, emax / 2 - 1)
+        return _pow2_scale(x, _near_overflow_log2(fmt))
     if name == "subnormal":
         return _pow2_scale(x, emin - 2)
     if name == "zeros":

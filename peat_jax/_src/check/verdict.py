@@ -2,12 +2,14 @@
 and what every check found."""
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 from peat_jax._src.check.judging import Check, narrowest_formats
 from peat_jax._src.check.programs import VJP_FORWARD
 from peat_jax._src.check.running import Float64Reference
-from peat_jax._src.detector import (UNSTABLE_FACTOR, Diagnosis, narrowed, only_near_overflow,
+from peat_jax._src.detector import (TRAINING_RANGE_LOG2, UNSTABLE_FACTOR, Diagnosis,
+                                    beyond_training_range, narrowed, only_near_overflow,
                                     only_on_odd_shapes, severity)
 from peat_jax._src.judge.reference_spread import Spread
 from peat_jax._src.judge.rounding import ROUNDING_SAMPLES
@@ -20,24 +22,53 @@ def _check_key(c: Check) -> tuple:
     return (failing, rank, c.output in ("forward", VJP_FORWARD), ratio)
 
 
+def _judged(checks: Sequence[Check], near_overflow_log2: float
+            ) -> tuple[Check, Diagnosis, list[Check], Optional[Diagnosis]]:
+    """(the worst check, its diagnosis renamed by the variants that fail, the failing checks,
+    None); where the failures are `beyond_training_range`, the same over the other checks with
+    the near_overflow diagnosis last."""
+    failing = [c for c in checks if not c.diagnosis.passed]
+    failing_variants = {c.variant for c in failing}
+    passing = {c.variant for c in checks} - failing_variants
+    worst = max(checks, key=_check_key)
+    d = only_near_overflow(only_on_odd_shapes(narrowed(worst.diagnosis, narrowest_formats(checks)),
+                                              failing_variants, passing),
+                           failing_variants, passing)
+    if not beyond_training_range(d, failing_variants, passing, near_overflow_log2):
+        return worst, d, failing, None
+    rest = [c for c in checks if c.variant != "near_overflow"]
+    within = max(rest, key=_check_key)
+    return within, narrowed(within.diagnosis, narrowest_formats(rest)), [], d
+
+
+def _out_of_range_note(beyond: Diagnosis, checks: Sequence[Check], near_overflow_log2: float,
+                       ev: dict) -> str:
+    """The note (and ``evidence["beyond_training_range"]``) of a verdict whose only failures
+    are `beyond_training_range`."""
+    where = sorted(f"{c.output} on {c.variant}" for c in checks if not c.diagnosis.passed)
+    ev["beyond_training_range"] = {"model": beyond.model, "failing_checks": where,
+                                   "max_abs_log2": near_overflow_log2,
+                                   "summary": beyond.summary}
+    return (f"; note: fails as {beyond.model} only at inputs near overflow, beyond any "
+            f"training's magnitudes (max |x| ~ 2**{near_overflow_log2:g} > "
+            f"2**{TRAINING_RANGE_LOG2}): {', '.join(where)} (evidence: beyond_training_range)")
+
+
 def verdict(checks: Sequence[Check], *, skipped: dict[str, str],
              spread: dict[tuple[str, str], Spread], precision: str,
              no_float64: dict[str, str], float64: Float64Reference,
-             no_rounding: Optional[dict[str, str]] = None) -> Diagnosis:
+             no_rounding: Optional[dict[str, str]] = None,
+             near_overflow_log2: float = math.inf) -> Diagnosis:
     """The worst check's diagnosis, its evidence extended with where it came from, every
     check's model, the skipped variants, the reference's matmul precision and its
     nondeterminism, the elements no reference could judge (``unjudged``), the variants
     without a float64 reference (and why) and how the float64 reference was had from a
-    reference that pins a narrower dtype."""
-    worst = max(checks, key=_check_key)
-    failing = [c for c in checks if not c.diagnosis.passed]
-    failing_variants = {c.variant for c in failing}
-    passing = {c.variant for c in checks} - failing_variants
-    d = only_near_overflow(only_on_odd_shapes(narrowed(worst.diagnosis, narrowest_formats(checks)),
-                                              failing_variants, passing),
-                           failing_variants, passing)
+    reference that pins a narrower dtype. Failures only at magnitudes no training reaches
+    (`beyond_training_range`; the near_overflow inputs' max |x| ~ 2**near_overflow_log2)
+    pass, with a note."""
+    worst, d, failing, beyond = _judged(checks, near_overflow_log2)
     ev = dict(d.evidence)
-    note = ""
+    note = "" if beyond is None else _out_of_range_note(beyond, checks, near_overflow_log2, ev)
     if spread:
         ev["reference_nondeterministic"] = {f"{o} on {v}": s.reference
                                             for (v, o), s in spread.items()}

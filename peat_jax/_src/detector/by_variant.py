@@ -7,14 +7,19 @@ from typing import Iterable
 from peat_jax._src.detector.machinery import Diagnosis, plain
 
 
+def _only(variant: str, failing_variants: Iterable[str],
+          passing_variants: Iterable[str]) -> bool:
+    """Every failing check is on `variant` and the example inputs' checks pass."""
+    return set(failing_variants) == {variant} and "example" in set(passing_variants)
+
+
 def _only_on(variant: str, rule: str, model: str, confidence: float, keep: Iterable[str],
              why: str, d: Diagnosis, failing_variants: Iterable[str],
              passing_variants: Iterable[str]) -> Diagnosis:
     """`d` renamed `model` by `rule` when every failing check is on `variant` and every check
     on the example inputs passes, unless `d` passes or its model is in `keep`; `why` opens the
     summary's reason (the would-be model and its summary close it)."""
-    if d.passed or set(failing_variants) != {variant} or "example" not in set(
-            passing_variants) or d.model in keep:
+    if d.passed or not _only(variant, failing_variants, passing_variants) or d.model in keep:
         return d
     ev = {**d.evidence, "rule": rule, "would_be": d.model}
     return Diagnosis(model, False, confidence, plain(ev),
@@ -58,3 +63,24 @@ def only_near_overflow(d: Diagnosis, failing_variants: Iterable[str],
                     "wrong only at inputs near overflow (an intermediate leaves the dtype's "
                     "range where the reference's formula does not; passes on the example inputs",
                     d, failing_variants, passing_variants)
+
+
+TRAINING_RANGE_LOG2 = 32
+"""log2 of the largest magnitude `beyond_training_range` counts as one training reaches: 2**32
+(4.3e9), the "large" variant's in float32 and bfloat16, far above activations and gradients
+(float16's whole range ends at 2**16; loss scaling multiplies gradients by at most 2**24)."""
+
+_RANGE_FAILURES = frozenset({"unstable_algorithm", "nan_inf", "flush_to_zero"})
+
+
+def beyond_training_range(d: Diagnosis, failing_variants: Iterable[str],
+                          passing_variants: Iterable[str], near_overflow_log2: float) -> bool:
+    """Whether `d` (the worst check's diagnosis, after `only_near_overflow`) fails only where
+    no training goes: every failing check is on "near_overflow", the example inputs' checks
+    pass, `d` names a failure of range (``unstable_algorithm``, ``nan_inf``,
+    ``flush_to_zero``) and the variant's inputs reach max |x| ~ 2**near_overflow_log2 beyond
+    2**TRAINING_RANGE_LOG2 (float32 and bfloat16: 2**62.5; float16's 2**6.5 is within it).
+    keras' RMSNorm and LayerNorm gradients lose a row there (jax's rsqrt derivative
+    underflows), right at every magnitude below: `check_kernel` then passes, with a note."""
+    return (not d.passed and _only("near_overflow", failing_variants, passing_variants)
+            and d.model in _RANGE_FAILURES and near_overflow_log2 > TRAINING_RANGE_LOG2)
