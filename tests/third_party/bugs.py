@@ -1,17 +1,19 @@
 """Porting bugs people report, each a third-party function called the way the bug calls it, and
-checked against what the ported model computes: each must fail on every seed, with its error
-model where the taxonomy has one. The bugs are all in the forward pass, so the forward alone is
-checked (a failing check costs more than a passing one; CI runs this on 2 cores)."""
+checked against what the ported model computes, and a public kernel's instability in a narrower
+dtype: each must fail on every seed, with its error model where the taxonomy has one. The
+porting bugs are in the forward pass, so the forward alone is checked there (a failing check
+costs more than a passing one; CI runs this on 2 cores)."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 import peat_jax as peat
 
 from . import Entry
 from . import references as ref
 from .correct import (_norm2, _padded_ce_args, _qkv_bhsd, _qkv_bshd, _rope_args, _torch_layer_norm,
-                      faj_causal_flash_attention, ROWS, N, PAD)
+                      faj_causal_flash_attention, haiku_rms_norm, ROWS, N, PAD)
 from ._inputs import normal
 
 __all__ = ["ENTRIES"]
@@ -74,6 +76,12 @@ torch_rope_for_half_split = peat.kernels.torch_kernel(_torch_rope_interleaved,
 
 _FWD = dict(backward=False, variants=("example",))
 
+def _small_float16_rows(seed):
+    """`_norm2`'s rows at rms 0.01, in float16: activations a float16 model has."""
+    x, scale, bias = _norm2(seed)
+    return (0.01 * x).astype(jnp.float16), scale.astype(jnp.float16), bias.astype(jnp.float16)
+
+
 ENTRIES: tuple[Entry, ...] = (
     Entry("torch_layer_norm_default_eps", "torch", "bug", torch_layer_norm_default_eps,
           ref.layer_norm, _norm2, ("wrong_scale",),
@@ -114,4 +122,9 @@ ENTRIES: tuple[Entry, ...] = (
           "lucidrains' causal FlashAttention at logits ~1e19 (past its MASK_VALUE -1e10 and "
           "row-max init -1e6): NaN", backward=False, variants=("large",),
           needs=("flash_attention_jax",)),
+    Entry("haiku_rms_norm_float16", "dm-haiku", "bug", haiku_rms_norm, ref.rms_norm,
+          _small_float16_rows, ("unstable_algorithm",),
+          "haiku.RMSNorm in float16 on rows of rms 0.01: its gradient overflows (rsqrt's "
+          "derivative -ans / (2 v) is ~v**-1.5 = 1e6), where the formula's is finite",
+          variants=("example",), needs=("haiku",)),
 )

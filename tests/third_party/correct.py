@@ -172,6 +172,25 @@ def equinox_rms_norm(x, scale, bias):
 
 
 @jax.jit
+def haiku_rms_norm(x, scale, bias):
+    """`haiku.RMSNorm(-1, eps=1e-5)` with the given scale (it has no offset: the bias is added
+    after it, as a model does)."""
+    import haiku as hk
+    norm = hk.without_apply_rng(hk.transform(lambda v: hk.RMSNorm(-1, eps=1e-5)(v)))
+    return norm.apply({"rms_norm": {"scale": scale}}, x) + bias
+
+
+@jax.jit
+def haiku_layer_norm(x, scale, bias):
+    """`haiku.LayerNorm(-1, create_scale=True, create_offset=True, eps=1e-5)` (two-pass
+    variance, its default) with the given scale and offset."""
+    import haiku as hk
+    norm = hk.without_apply_rng(hk.transform(
+        lambda v: hk.LayerNorm(-1, create_scale=True, create_offset=True, eps=1e-5)(v)))
+    return norm.apply({"layer_norm": {"scale": scale, "offset": bias}}, x)
+
+
+@jax.jit
 def flax_layer_norm(x, scale, bias):
     """`flax.linen.LayerNorm(epsilon=1e-5)` (its one-pass "fast variance", the default) with
     the given scale and bias."""
@@ -281,6 +300,7 @@ def flax_max_pool(x):
     return nn.max_pool(x, (2, 2), strides=(2, 2))
 _TORCH = ("torch",)
 _FAJ = ("flash_attention_jax",)
+_HAIKU = ("haiku",)
 
 ENTRIES: tuple[Entry, ...] = (
     Entry("faj_flash_attention", "flash-attention-jax", "correct", faj_flash_attention,
@@ -345,6 +365,11 @@ ENTRIES: tuple[Entry, ...] = (
           "passes", "jax.nn.standardize (one-pass variance, rsqrt) against the two-pass "
           "formula: at inputs near 2**63 both gradients lose float32's accuracy, the "
           "reference's by 8% of its scale, jax's by 28%"),
+    Entry("haiku_rms_norm", "dm-haiku", "correct", haiku_rms_norm, ref.rms_norm, _norm2,
+          "passes", "haiku.RMSNorm (eps 1e-5, rsqrt) with a bias added after it", needs=_HAIKU),
+    Entry("haiku_layer_norm", "dm-haiku", "correct", haiku_layer_norm, ref.layer_norm_eps5,
+          _norm2, "passes", "haiku.LayerNorm (eps 1e-5, two-pass variance, rsqrt)",
+          needs=_HAIKU),
     Entry("equinox_rms_norm", "equinox", "correct", equinox_rms_norm, ref.rms_norm, _norm2,
           "passes", "equinox.nn.RMSNorm (eps 1e-5), vmapped over rows"),
     Entry("equinox_mha_causal", "equinox", "correct", equinox_mha_causal,
