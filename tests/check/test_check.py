@@ -552,6 +552,27 @@ def test_outputs_of_two_dtypes_are_named_before_the_gradients(jitted):
                          variants=("example",), backward=backward)
 
 
+@pytest.mark.parametrize("outputs", ["array", "tuple"])
+def test_a_kernel_returning_its_wider_accumulator_is_told_how_to_check_it(outputs):
+    """flash-attention-jax returns float32 for bfloat16 inputs: the error says how to check it
+    as a model that casts the output back uses it."""
+    x = jax.random.normal(jax.random.key(0), (16, 64)).astype(jnp.bfloat16)
+    wrap = (lambda y: y) if outputs == "array" else (lambda y: (y, y))
+
+    def accumulating(v):
+        return wrap(jax.nn.softmax(v.astype(jnp.float32)))
+
+    hint = (r"lambda \*a: kernel\(\*a\)\.astype\(jnp\.bfloat16\)" if outputs == "array"
+            else "cast its outputs to the reference's in a wrapper")
+    with pytest.raises(PeatError, match=r"candidate returned .*float32.*bfloat16.*" + hint):
+        check_kernel(jax.jit(accumulating), jax.jit(lambda v: wrap(jax.nn.softmax(v))), x,
+                     variants=("example",))
+    d = check_kernel(jax.jit(lambda v: jax.tree.map(lambda y: y.astype(jnp.bfloat16),
+                                                    accumulating(v))),
+                     jax.jit(lambda v: wrap(jax.nn.softmax(v))), x, variants=("example",))
+    assert d.passed, d.summary
+
+
 @pytest.mark.parametrize("fails", ["at_run_time", "backward"])
 def test_a_jitted_reference_that_fails_says_which_part(fails):
     """A jitted reference runs forward and backward as one program; when that program fails,

@@ -117,12 +117,25 @@ def outputs_of(fn, args, positions, ct, what: str, variant: str, like: Any = Non
         raise PeatError(f"on the {variant!r} inputs the candidate returned {_typed(out)}, the "
                         f"reference {_typed(like)}: make them return the same structure, shapes "
                         "and dtypes (a NumPy scalar or a float64 constant in one of them "
-                        "promotes its result)")
+                        f"promotes its result{_cast_hint(out, like)})")
     if not positions:
         return {"forward": out}
     if o is None:
         o = _gradients(fn, args, positions, ct, what)._replace(forward=out)
     return named_outputs(o, positions, vjp_forward)
+
+
+def _cast_hint(out, like) -> str:
+    """Where `out` differs from `like` in dtypes alone: how to check a kernel that returns its
+    wider accumulator (flash-attention-jax returns float32 for bfloat16 inputs) as a model
+    that casts it back would use it."""
+    if not same_structure(out, like):
+        return ""
+    if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(like)):
+        return (f"; a kernel that returns a wider dtype by design is checked as the model uses "
+                f"it: lambda *a: kernel(*a).astype(jnp.{jnp.result_type(like)})")
+    return ("; a kernel that returns wider dtypes by design is checked as the model uses it: "
+            "cast its outputs to the reference's in a wrapper")
 
 
 def _typed(tree) -> str:
