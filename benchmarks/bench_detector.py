@@ -21,6 +21,12 @@ third_party_*: the third-party corpus (tests/third_party: code nobody here wrote
   expected model) named with it; third_party_flagged_correct, third_party_missed,
   third_party_misnamed: the entries behind them; third_party_skipped: entries whose package is
   not installed; third_party_seconds: its share of the wall time.
+third_party_bfloat16_*: the correct third-party entries with float32 inputs run again with them
+  cast to bfloat16, as a 16-bit training has them (`third_party.in_dtype`: a candidate that
+  returns float32 there is cast back, as the model would), seeds 0 and 1: the runs, the runs
+  that fail (third_party_bfloat16_false_alarm_runs; third_party_bfloat16_flagged_correct: entry
+  -> the failing summaries) and the entries whose check raised (third_party_bfloat16_errors:
+  entry -> the one-line error; flash-attention-jax's backward does not run in bfloat16).
 seconds: wall time of the whole run; rounding_floor_seconds and rounding_floor_share: the time
   spent computing rounding floors (`judge.rounding`: the Monte Carlo evaluations of the
   reference, compile included) and its share of `seconds`.
@@ -48,6 +54,8 @@ import warnings
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import peat_jax as peat  # noqa: E402
 from peat_jax._src.kernels import pallas as pk  # noqa: E402
 from corpus import ENTRIES  # noqa: E402
@@ -108,6 +116,38 @@ def run_third_party(names=None, progress=False, table_path=None) -> tuple[list, 
         if table_path:
             pathlib.Path(table_path).write_text(third_party_table(rows, skipped))
     return rows, skipped
+
+
+BFLOAT16_SEEDS = (0, 1)
+
+
+def _float32_inputs(e) -> bool:
+    leaves = jax.tree.leaves(e.args(third_party.SEEDS[0]))
+    floats = [x for x in leaves if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+    return bool(floats) and all(jnp.result_type(x) == jnp.float32 for x in floats)
+
+
+def run_bfloat16(names=None) -> dict:
+    """The correct third-party entries with float32 inputs, cast to bfloat16, over
+    `BFLOAT16_SEEDS`: the third_party_bfloat16_* figures."""
+    runs, flagged, errors = 0, {}, {}
+    for e in third_party.ENTRIES:
+        if e.kind != "correct" or (names and e.name not in names) or third_party.missing(e) \
+                or not _float32_inputs(e):
+            continue
+        try:
+            e16 = third_party.in_dtype(e, jnp.bfloat16)
+            for seed in BFLOAT16_SEEDS:
+                d = third_party.check(e16, seed)
+                runs += 1
+                if not d.passed:
+                    flagged.setdefault(e.name, []).append(f"seed {seed}: {d.summary[:240]}")
+        except peat.PeatError as err:
+            errors[e.name] = str(err)[:240]
+    return {"third_party_bfloat16_runs": runs,
+            "third_party_bfloat16_false_alarm_runs": sum(len(v) for v in flagged.values()),
+            "third_party_bfloat16_flagged_correct": flagged,
+            "third_party_bfloat16_errors": errors}
 
 
 def third_party_figures(rows, skipped) -> dict:
@@ -198,10 +238,11 @@ def _run(args, timer: _Timed) -> dict:
     t0 = time.perf_counter()
     if args.third_party_only:
         tp_rows, tp_skipped = run_third_party(args.only, args.progress, args.third_party_table)
+        bf16 = run_bfloat16(args.only)
         if args.rows_out:
-            _write_rows(args.rows_out, tp_rows, tp_skipped, timer.seconds)
+            _write_rows(args.rows_out, tp_rows, tp_skipped, timer.seconds, bf16)
             return {}
-        return {**third_party_figures(tp_rows, tp_skipped),
+        return {**third_party_figures(tp_rows, tp_skipped), **bf16,
                 **_rounding_figures(timer, time.perf_counter() - t0)}
     # the third-party corpus in a second process beside this one's corpus: the two halves are
     # independent, and a process each uses both cores of a small machine (XLA compiles on one)
@@ -218,29 +259,31 @@ def _run(args, timer: _Timed) -> dict:
             rc = child.wait()
         if rc != 0:
             raise SystemExit(f"the third-party corpus' process failed (exit {rc})")
-        tp_rows, tp_skipped, child_rounding = _read_rows(rows_path)
+        tp_rows, tp_skipped, child_rounding, bf16 = _read_rows(rows_path)
     timer.seconds += child_rounding
-    return {**own["figures"], **third_party_figures(tp_rows, tp_skipped),
+    return {**own["figures"], **third_party_figures(tp_rows, tp_skipped), **bf16,
             **_rounding_figures(timer, time.perf_counter() - t0), "entries": own["entries"]}
 
 
-def _write_rows(path: str, rows, skipped, rounding_seconds: float) -> None:
-    """The third-party runs as JSON, for the parent process (`_read_rows`)."""
+def _write_rows(path: str, rows, skipped, rounding_seconds: float, bfloat16: dict) -> None:
+    """The third-party runs (and the bfloat16 figures) as JSON, for the parent process
+    (`_read_rows`)."""
     pathlib.Path(path).write_text(json.dumps({
         "rows": [{"entry": e.name, "seed": seed, "seconds": secs,
                   "diagnosis": dataclasses.asdict(d)} for e, seed, d, secs in rows],
         "skipped": [[e.name, why] for e, why in skipped],
-        "rounding_seconds": rounding_seconds}, default=repr))
+        "rounding_seconds": rounding_seconds, "bfloat16": bfloat16}, default=repr))
 
 
-def _read_rows(path: pathlib.Path) -> tuple[list, list, float]:
-    """(rows, skipped, rounding seconds) as `run_third_party` returns them, from `_write_rows`."""
+def _read_rows(path: pathlib.Path) -> tuple[list, list, float, dict]:
+    """(rows, skipped, rounding seconds) as `run_third_party` returns them, and the bfloat16
+    figures, from `_write_rows`."""
     data = json.loads(path.read_text())
     by_name = {e.name: e for e in third_party.ENTRIES}
     rows = [(by_name[r["entry"]], r["seed"], peat.Diagnosis(**r["diagnosis"]), r["seconds"])
             for r in data["rows"]]
     skipped = [(by_name[name], why) for name, why in data["skipped"]]
-    return rows, skipped, data["rounding_seconds"]
+    return rows, skipped, data["rounding_seconds"], data["bfloat16"]
 
 
 def _own_corpus(args) -> dict:

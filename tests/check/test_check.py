@@ -592,6 +592,23 @@ def test_a_jitted_reference_that_fails_says_which_part(fails):
         check_kernel(ref, jax.jit(opaque), A, B, variants=("example",))
 
 
+def test_a_candidate_whose_backward_raises_says_so():
+    """flash-attention-jax's backward in bfloat16 raises inside its custom VJP (a scan carry of
+    two dtypes): the one-line error names the backward and the way to check the forward."""
+    @jax.custom_vjp
+    def kernel(x):
+        return jnp.tanh(x)
+
+    def bwd(_, g):
+        raise TypeError("scan body function carry input and carry output must have equal types")
+
+    kernel.defvjp(lambda x: (jnp.tanh(x), None), bwd)
+    with pytest.raises(PeatError, match=r"the candidate's backward failed \(TypeError: scan body"
+                                        r".*pass backward=False to check the forward alone"):
+        check_kernel(kernel, jnp.tanh, A, variants=("example",))
+    assert check_kernel(kernel, jnp.tanh, A, variants=("example",), backward=False).passed
+
+
 def test_atol_is_an_escape_hatch():
     shifted = lambda a, b: a @ b + 1e-3     # noqa: E731
     assert not check_kernel(shifted, ref, A, B, variants=("example",), backward=False).passed

@@ -27,7 +27,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import needs
 
-__all__ = ["ENTRIES", "SEEDS", "Entry", "by_name", "check", "expectation_met", "missing"]
+__all__ = ["ENTRIES", "SEEDS", "Entry", "by_name", "check", "expectation_met", "in_dtype",
+           "missing"]
 
 SEEDS: tuple[int, ...] = (0, 1, 2, 3, 4)
 """The seeds every entry runs over: a correct kernel must pass on each."""
@@ -102,6 +103,33 @@ def check(entry: Entry, seed: int):
         return peat.check_kernel(entry.candidate, entry.reference, *entry.args(seed),
                                  variants=tuple(entry.variants), backward=entry.backward,
                                  repeats=1, seed=seed)
+
+
+def in_dtype(entry: Entry, dtype) -> Entry:
+    """`entry` with its float inputs cast to `dtype` (a 16-bit training's activations), and, for
+    a candidate that returns a wider dtype there than the reference (flash-attention-jax
+    returns float32), its outputs cast to the reference's, as a model that casts back uses it."""
+    import jax
+    import jax.numpy as jnp
+
+    def cast(tree):
+        return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(
+            jnp.result_type(x), jnp.floating) else x, tree)
+
+    def cast_like(*args):
+        want = jax.eval_shape(entry.reference, *args)
+        return jax.tree.map(lambda y, w: y.astype(w.dtype), entry.candidate(*args), want)
+
+    def candidate_for(args):
+        got = jax.eval_shape(entry.candidate, *args)
+        want = jax.eval_shape(entry.reference, *args)
+        same = jax.tree.map(lambda g, w: g.dtype == w.dtype, got, want)
+        return entry.candidate if all(jax.tree.leaves(same)) else jax.jit(cast_like)
+
+    example = cast(entry.args(SEEDS[0]))
+    return dataclasses.replace(entry, name=f"{entry.name}_{jnp.dtype(dtype).name}",
+                               candidate=candidate_for(example),
+                               args=lambda seed: cast(entry.args(seed)))
 
 
 def expectation_met(entry: Entry, diagnosis) -> bool:

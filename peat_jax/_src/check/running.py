@@ -85,9 +85,10 @@ def _gradients(fn, args, positions, ct, what: str) -> Outputs:
         if what == "reference":
             raise PeatError(f"the reference is not differentiable ({type(e).__name__}: {e}); "
                             "pass backward=False") from e
-        raise PeatError(f"the candidate is not differentiable ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}); give it a "
-                        "jax.custom_vjp, or pass backward=False") from e
+        raise PeatError(f"the candidate's backward failed ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}): it is not differentiable "
+                        "or its VJP raises; fix it or give it a jax.custom_vjp, or pass "
+                        "backward=False to check the forward alone") from e
 
 
 def outputs_of(fn, args, positions, ct, what: str, variant: str, like: Any = None,
