@@ -12,6 +12,7 @@ from compile_log import compiles
 from peat_jax._src._jax import cache_size
 from peat_jax._src.analyzer import device
 from peat_jax._src.check import VARIANTS, VJP_FORWARD, check_kernel, make_variant
+from peat_jax._src.check.variants import near_overflow_log2
 from peat_jax._src.check.running import Run, conditioning_spreads, wider_reference
 from peat_jax._src.errors import PeatError
 from peat_jax._src.judge.float64 import NO_WIDER
@@ -260,6 +261,21 @@ def _rms_norm_rsqrt_in_float32(x, w):
 
 def _rms_norm_formula(x, w):
     return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * w
+
+
+@pytest.mark.parametrize("dtypes,expected", [
+    ((jnp.float32,), 62.5), ((jnp.bfloat16,), 62.5), ((jnp.float16,), 6.5),
+    ((jnp.float32, jnp.float16), 6.5),      # the narrowest float input decides
+    ((jnp.int32,), float("inf")),           # nothing to scale
+])
+def test_near_overflow_log2_is_the_variants_own_magnitude(dtypes, expected):
+    args = tuple(jnp.ones((4, 3), dt) for dt in dtypes)
+    assert near_overflow_log2(args) == expected
+    variant = make_variant("near_overflow", args, 0)
+    floats = [x for x in variant if jnp.issubdtype(x.dtype, jnp.floating)]
+    if floats:   # the variant scales its inputs to about that magnitude
+        assert min(float(np.log2(np.abs(x.astype(np.float64)).max())) for x in floats) \
+            == pytest.approx(expected, abs=0.5)
 
 
 def test_a_kernel_wrong_only_beyond_training_magnitudes_passes_saying_so():

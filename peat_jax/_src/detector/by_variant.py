@@ -41,8 +41,10 @@ def only_on_odd_shapes(d: Diagnosis, failing_variants: Iterable[str],
                     "example shapes", d, failing_variants, passing_variants)
 
 
-_RANGE_MODELS = frozenset({"unstable_algorithm", "nan_inf", "flush_to_zero", "nondeterministic",
-                           "data_race", "tile_boundary"})
+_RANGE_FAILURES = frozenset({"unstable_algorithm", "nan_inf", "flush_to_zero"})
+"""Models that say what went wrong with the values' range."""
+
+_RANGE_MODELS = _RANGE_FAILURES | {"nondeterministic", "data_race", "tile_boundary"}
 """Models `only_near_overflow` keeps: they already say what went wrong with the values' range,
 or name what no input magnitude causes."""
 
@@ -69,8 +71,6 @@ TRAINING_RANGE_LOG2 = 32
 """log2 of the largest magnitude `beyond_training_range` counts as one training reaches: 2**32
 (4.3e9), the "large" variant's in float32 and bfloat16, far above activations and gradients
 (float16's whole range ends at 2**16; loss scaling multiplies gradients by at most 2**24)."""
-
-_RANGE_FAILURES = frozenset({"unstable_algorithm", "nan_inf", "flush_to_zero"})
 
 
 def beyond_training_range(d: Diagnosis, failing_variants: Iterable[str],
