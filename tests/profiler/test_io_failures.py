@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -162,6 +163,32 @@ def test_cli_prints_one_line_for_a_full_disk(own_run, tmp_path):
     assert lines[0].startswith(f"peat: error: campaign 'full' of run dir {own_run} stopped: ")
     assert lines[0].endswith(f"then run `peat playback {own_run} --fault 'wrong_scale(2.0)' "
                              f"--sites {SELECTOR} --checkpoints 0 --name full` again to resume")
+
+
+def test_orbax_threads_failing_after_shutdown_are_dropped_and_others_kept():
+    """At exit after a full disk, Orbax's save threads may write on after the interpreter shut
+    its executors down: their tracebacks are dropped (the failure was said in one line); a
+    thread's exception from elsewhere, or another one from Orbax, is reported as before."""
+    from peat_jax._src.profiler.hostio import drop_orbax_shutdown_reports
+    was, reported = threading.excepthook, []
+    try:
+        threading.excepthook = lambda args: reported.append(str(args.exc_value))
+        drop_orbax_shutdown_reports()
+        for path, message, kept in [
+                ("/site-packages/orbax/checkpoint/_src/fake.py",
+                 "cannot schedule new futures after shutdown", False),
+                ("/site-packages/orbax/checkpoint/_src/fake.py", "another failure", True),
+                ("/home/user/train.py", "cannot schedule new futures after shutdown", True)]:
+            code = compile(f"def run():\n    raise RuntimeError({message!r})\n", path, "exec")
+            scope: dict = {}
+            exec(code, scope)
+            t = threading.Thread(target=scope["run"])
+            t.start()
+            t.join()
+            assert (reported[-1:] == [message]) == kept, (path, message, reported)
+            reported.clear()
+    finally:
+        threading.excepthook = was
 
 
 @pytest.mark.slow

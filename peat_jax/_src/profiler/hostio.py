@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import logging
+import pathlib
 import sys
 import threading
+import traceback
 from typing import Any
 
 import jax
@@ -86,6 +88,32 @@ def drop_abandoned_io_reports() -> None:
         asyncio_log.addFilter(ABANDONED_IO)
 
 
+def _orbax_after_shutdown(args) -> bool:
+    """The exception of a thread `args` (`threading.ExceptHookArgs`) is Orbax's save writing
+    on after the interpreter shut its executors down ("cannot schedule new futures after
+    shutdown"): the save that failed first (a full disk) has reached its caller already."""
+    return (isinstance(args.exc_value, RuntimeError)
+            and "after shutdown" in str(args.exc_value)
+            and any("orbax" in pathlib.PurePath(f.filename).parts
+                    for f in traceback.extract_tb(args.exc_traceback)))
+
+
+def drop_orbax_shutdown_reports() -> None:
+    """From now on, for the rest of the process (the reports come at exit), drop the
+    tracebacks of Orbax's threads that `_orbax_after_shutdown` names; every other thread's
+    exception is reported as before."""
+    previous = threading.excepthook
+    if getattr(previous, "_peat_drops_orbax", False):
+        return
+
+    def hook(args):
+        if not _orbax_after_shutdown(args):
+            previous(args)
+
+    setattr(hook, "_peat_drops_orbax", True)  # installed once (the getattr above)
+    threading.excepthook = hook
+
+
 class quiet:
     """Context manager: Orbax/absl INFO logging silenced for its duration (the level before is
     put back on exit), and Orbax's tracebacks of worker threads whose exception is raised in
@@ -99,6 +127,7 @@ class quiet:
         absl.addFilter(_THREAD_FAILURES)
         _drop_closed_loop_reports()   # for the rest of the process: the reports come late
         drop_abandoned_io_reports()
+        drop_orbax_shutdown_reports()
 
     def __exit__(self, *exc):
         absl = logging.getLogger("absl")
