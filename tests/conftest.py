@@ -5,11 +5,22 @@ from __future__ import annotations
 import os
 import shutil
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import optax
-import pytest
+# XLA:CPU's backend (LLVM) compiles the suite's programs at optimisation level 0 unless
+# $PEAT_TEST_XLA_OPT says another (e.g. 3, XLA's default, what users and the benchmarks get): a
+# leg spends about half its time compiling, and level 0 takes a fifth off a leg (16:52 -> 13:30
+# on 2 cores) at the tests' small shapes. Set before jax starts its backend; the `peat` commands
+# and examples the tests run as subprocesses inherit it. Numerics may differ from level 3 in the
+# last bit (FMA contraction); each test compares programs compiled alike.
+_LEVEL = "--xla_backend_optimization_level"
+if _LEVEL not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" {_LEVEL}={os.environ.get('PEAT_TEST_XLA_OPT', '0')}").strip()
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")
