@@ -7,6 +7,8 @@ import pathlib
 import re
 import tomllib
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from peat_jax._src.check import VARIANTS
@@ -72,3 +74,26 @@ def test_every_third_party_package_is_pinned_in_the_test_extra():
         assert e.package.lower() in listed, f"{e.package} ({e.name}) is not in pyproject"
     for pkg in {e.package for e in ENTRIES} - {"jax", "flax", "optax", "equinox"}:
         assert pkg.lower() in pinned, f"{pkg} is not pinned (==) in the test extra"
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("wider", [False, True])
+def test_in_dtype_casts_the_float_inputs_and_a_wider_output_back(dtype, wider):
+    """`third_party.in_dtype` (bench_detector's 16-bit pass): float inputs cast, integer ones
+    kept; a candidate that returns float32 for 16-bit inputs is cast back to the reference's
+    dtype, one that matches it is left as it is."""
+    def candidate(x, i):
+        return (x.astype(jnp.float32) if wider else x) * 2 + i
+
+    entry = third_party.Entry(
+        name="double", package="jax", kind="correct", candidate=candidate,
+        reference=lambda x, i: x * 2 + i, what="doubles", expected="passes",
+        args=lambda seed: (jnp.full((2, 3), seed + 0.5, jnp.float32), jnp.arange(3)))
+    e16 = third_party.in_dtype(entry, dtype)
+    x, i = e16.args(1)
+    assert e16.name == f"double_{jnp.dtype(dtype).name}"
+    assert x.dtype == dtype and i.dtype == jnp.arange(3).dtype
+    out = e16.candidate(x, i)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out, np.float32), [[3, 4, 5]] * 2)
+    assert (e16.candidate is candidate) == (not wider)

@@ -120,16 +120,12 @@ def in_dtype(entry: Entry, dtype) -> Entry:
         want = jax.eval_shape(entry.reference, *args)
         return jax.tree.map(lambda y, w: y.astype(w.dtype), entry.candidate(*args), want)
 
-    def candidate_for(args):
-        got = jax.eval_shape(entry.candidate, *args)
-        want = jax.eval_shape(entry.reference, *args)
-        same = jax.tree.map(lambda g, w: g.dtype == w.dtype, got, want)
-        return entry.candidate if all(jax.tree.leaves(same)) else jax.jit(cast_like)
-
     example = cast(entry.args(SEEDS[0]))
+    same = jax.tree.map(lambda g, w: g.dtype == w.dtype, jax.eval_shape(entry.candidate, *example),
+                        jax.eval_shape(entry.reference, *example))
+    candidate = entry.candidate if all(jax.tree.leaves(same)) else jax.jit(cast_like)
     return dataclasses.replace(entry, name=f"{entry.name}_{jnp.dtype(dtype).name}",
-                               candidate=candidate_for(example),
-                               args=lambda seed: cast(entry.args(seed)))
+                               candidate=candidate, args=lambda seed: cast(entry.args(seed)))
 
 
 def expectation_met(entry: Entry, diagnosis) -> bool:
