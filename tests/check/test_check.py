@@ -393,6 +393,31 @@ def test_a_reference_that_cannot_run_in_float64_is_named_with_the_reason():
     assert "float64_reference" not in d.evidence
 
 
+def test_a_plain_reference_runs_in_float64_as_one_program_where_it_traces():
+    """A plain (un-jitted) reference is jitted for its float64 evaluation: traced once per shape
+    and the program shared by later checks, not run op by op on every check; one that jit
+    rejects (it reads a value on the host) runs eagerly, with its float64 floors all the same."""
+    widths = []
+
+    def plain(a, b):
+        widths.append(a.dtype)
+        return a @ b
+
+    def reads_a_value(a, b, flags):   # a value of the argument it is not differentiated by
+        return -(a @ b) if bool(flags.any()) else a @ b
+
+    variants = ("example", "large")
+    assert check_kernel(blocked, plain, A, B, variants=variants, seed=0).passed
+    traced = widths.count(jnp.float64)
+    assert traced >= len(variants)
+    d = check_kernel(blocked, plain, A, B, variants=variants, seed=1)
+    assert d.passed and "no_float64_reference" not in d.evidence, d.summary
+    assert widths.count(jnp.float64) == traced
+    d = check_kernel(lambda a, b, flags: blocked(a, b), reads_a_value, A, B,
+                     jnp.zeros(4, bool), variants=variants)
+    assert d.passed and "no_float64_reference" not in d.evidence, d.summary
+
+
 def test_a_reference_pinned_to_float32_is_widened_to_float64():
     """preferred_element_type=float32 returns float32 on float64 inputs: its program, widened
     to float64, is the float64 reference (the same floors as an unpinned reference)."""

@@ -98,7 +98,7 @@ class Outputs(NamedTuple):
 
 
 def vjp_outputs(fn: Callable, args: tuple, positions: Sequence[int], ct,
-         plain_forward: bool = False) -> Outputs:
+         plain_forward: bool = False, jit_plain: bool = False) -> Outputs:
     """`fn`'s output under `jax.vjp` and its gradients of <fn(*args), ct> with respect to
     args[i] for i in positions; with `plain_forward`, the plain call's output too.
 
@@ -106,10 +106,16 @@ def vjp_outputs(fn: Callable, args: tuple, positions: Sequence[int], ct,
     jitted program (`jitted_vjp`): `jax.vjp` of a jitted function compiles two (the
     linearised forward and the transposed backward), and a plain call one more, per new shape.
     Any other `fn` runs as given, eagerly (jit would reject a callable that branches on values
-    or takes Python scalars)."""
+    or takes Python scalars); with `jit_plain`, a plain one is jitted too where it traces (on
+    array arguments; eagerly where tracing or compiling it raises), for a computation whose
+    numerics may move with XLA's fusions (the float64 reference)."""
     with at_matmul_precision(fn.precision if isinstance(fn, Pinned) else None):
-        if fusable(fn, args, ct):
-            return jitted_vjp(fn, tuple(positions), plain_forward)(args, ct)
+        if fusable(fn, args, ct, plain=jit_plain):
+            try:
+                return jitted_vjp(fn, tuple(positions), plain_forward)(args, ct)
+            except Exception:  # noqa: BLE001 - a plain callable jit rejects runs eagerly below
+                if is_jitted(fn):
+                    raise
         out, grads = vjp_traced(fn, args, positions, ct)
         return Outputs(forward=fn(*args) if plain_forward else None, vjp_forward=out,
                         grads=tuple(grads))
@@ -130,18 +136,22 @@ def vjp_traced(fn: Callable, args: tuple, positions: Sequence[int], ct):
 def is_jitted(fn: Callable) -> bool:
     """`fn` (or the callable a `Pinned` wraps) is a hashable `jax.jit` function (it has
     `lower`; hashable, as `jitted_vjp` caches by it)."""
+    return _hashable(fn) and hasattr(fn.fn if isinstance(fn, Pinned) else fn, "lower")
+
+
+def _hashable(fn: Callable) -> bool:
     try:
         hash(fn)
     except TypeError:
         return False
-    return hasattr(fn.fn if isinstance(fn, Pinned) else fn, "lower")
+    return True
 
 
-def fusable(fn: Callable, args, ct) -> bool:
-    """`vjp_outputs` runs `fn` as one jitted program: `fn` is jitted and its arguments and cotangent
-    are all arrays."""
-    return is_jitted(fn) and all(isinstance(x, jax.Array)
-                                  for x in jax.tree_util.tree_leaves((args, ct)))
+def fusable(fn: Callable, args, ct, plain: bool = False) -> bool:
+    """`vjp_outputs` runs `fn` as one jitted program: `fn` is jitted (or, with `plain`, any
+    hashable callable) and its arguments and cotangent are all arrays."""
+    return (is_jitted(fn) or plain and _hashable(fn)) and \
+        all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves((args, ct)))
 
 
 def vjp_body(fn: Callable, positions: tuple[int, ...], plain_forward: bool) -> Callable:

@@ -206,7 +206,8 @@ def float64_outputs(reference, run: Run, args64=None) -> tuple[dict[str, Any], s
                 # the plain call separately only where the candidate's two forwards differ
                 # (where they are bitwise equal they are one computation)
                 both = VJP_FORWARD in run.reference
-                o = vjp_outputs(reference, a64, run.positions, ct64, plain_forward=both)
+                o = vjp_outputs(reference, a64, run.positions, ct64, plain_forward=both,
+                                jit_plain=True)
                 outs = named_outputs(o if both else o._replace(forward=o.vjp_forward),
                               run.positions, both)
             else:
