@@ -188,6 +188,27 @@ def jitted_vjp(fn: Callable, positions: tuple[int, ...], plain_forward: bool) ->
 
 
 @functools.lru_cache(maxsize=16)
+def _jitted_forward(fn: Callable) -> Callable:
+    return jax.jit(fn)
+
+
+def forward_program(fn: Callable, args: tuple) -> Callable:
+    """`fn` to call on `args` for its plain forward: a plain (un-jitted) hashable `fn` on array
+    arguments jitted (one program per shape, as `vjp_outputs` with `jit_plain`), run as given
+    where tracing or compiling it raises; any other `fn` as it is."""
+    if is_jitted(fn) or not fusable(fn, args, (), plain=True):
+        return fn
+    program = _jitted_forward(fn)
+
+    def forward(*a):
+        try:
+            return program(*a)
+        except Exception:  # noqa: BLE001 - a callable jit rejects runs as given
+            return fn(*a)
+    return forward
+
+
+@functools.lru_cache(maxsize=16)
 def jitted_pair(fn: Callable, positions: tuple[int, ...]) -> Callable:
     """``(vjp_outputs(fn, *first, plain_forward=True), vjp_outputs(fn, *second, ...))`` as
     one jitted program of ``(first, second)``, each an (args, ct) pair (see `Pairing`). Named "<fn's

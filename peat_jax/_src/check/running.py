@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from peat_jax._src.check.programs import (VJP_FORWARD, Outputs, Pairing, Pinned, all_float64,
-                                          as_float64, fusable, has_float, is_jitted, named_outputs,
-                                          paired_vjp, random_cotangent, same_structure, to_jax,
-                                          vjp_outputs)
+                                          as_float64, forward_program, fusable, has_float,
+                                          is_jitted, named_outputs, paired_vjp, random_cotangent,
+                                          same_structure, to_jax, vjp_outputs)
 from peat_jax._src.check.variants import host_array
 from peat_jax._src.errors import PeatError
 from peat_jax._src.formats import float_format
@@ -62,8 +62,7 @@ def forward_of(fn, args, what: str, variant: str, shapes_only: bool = False) -> 
     `jax.ShapeDtypeStruct`s, traced, not run); `RACE` when the candidate raised on a data race;
     for the "odd_shape" variant, the reason to skip it (a str) when `fn` rejects the shapes
     instead (a kernel may serve only some shapes)."""
-    if shapes_only:
-        fn = functools.partial(jax.eval_shape, fn)
+    fn = functools.partial(jax.eval_shape, fn) if shapes_only else forward_program(fn, args)
     if variant != "odd_shape":
         return called(fn, args, what, variant) if what == "reference" \
             else _call_candidate(fn, args, variant)
@@ -103,10 +102,11 @@ def outputs_of(fn, args, positions, ct, what: str, variant: str, like: Any = Non
     step by step, which says which part failed. `like` (the reference's output): the structure
     the candidate's output must have."""
     o = None
-    if positions and fusable(fn, args, ct):
+    if positions and fusable(fn, args, ct, plain=True):
         o = paired_vjp(fn, args, positions, ct, pairing)
         try:
-            o = o if o is not None else vjp_outputs(fn, args, positions, ct, plain_forward=True)
+            o = o if o is not None else vjp_outputs(fn, args, positions, ct, plain_forward=True,
+                                                    jit_plain=True)
         except Exception:  # noqa: BLE001 - the step-by-step path below reports it
             if races_found():
                 reset_interpret_state()
@@ -144,21 +144,35 @@ def _typed(tree) -> str:
     return str(jax.tree.map(lambda x: f"{jnp.result_type(x)}{list(np.shape(x))}", tree))
 
 
+def _output_shapes(reference, args, variant: str) -> Any:
+    """The reference's output as `jax.ShapeDtypeStruct`s (traced, not run); for a jitted one
+    the reason to skip an "odd_shape" variant it rejects (`forward_of`); None where a plain one
+    cannot be traced (it reads a value on the host, or rejects the inputs: run op by op, it says
+    which)."""
+    if is_jitted(reference):
+        return forward_of(reference, args, "reference", variant, shapes_only=True)
+    try:
+        return jax.eval_shape(reference, *args)
+    except Exception:  # noqa: BLE001 - the step-by-step path reports it
+        return None
+
+
 def run_variant(candidate, reference, variant: str, args, positions, rng: np.random.Generator,
          pairing: Optional[Pairing] = None) -> Union[Run, str]:
     """Both callables on one variant's inputs, forward and (for float outputs) backward under
     one random cotangent; or the reason the variant is skipped (see `forward_of`)."""
     o = None
-    if positions and is_jitted(reference):
+    shapes = _output_shapes(reference, args, variant) if positions and \
+        fusable(reference, args, (), plain=True) else None
+    if shapes is not None:
         # one program for the reference's forward and backward: its output's shapes alone
         # draw the cotangent
-        gold = forward_of(reference, args, "reference", variant, shapes_only=True)
-        if isinstance(gold, str):
-            return gold
-        ct = random_cotangent(gold, rng)
+        if isinstance(shapes, str):
+            return shapes
+        ct = random_cotangent(shapes, rng)
         try:
-            o = vjp_outputs(reference, args, positions, ct, plain_forward=True) if has_float(gold) \
-                else None
+            o = vjp_outputs(reference, args, positions, ct, plain_forward=True,
+                            jit_plain=True) if has_float(shapes) else None
         except Exception:  # noqa: BLE001 - step by step below says which part failed
             o = None
         gold = o.forward if o is not None else forward_of(reference, args, "reference", variant)
@@ -211,7 +225,7 @@ def float64_outputs(reference, run: Run, args64=None) -> tuple[dict[str, Any], s
                 outs = named_outputs(o if both else o._replace(forward=o.vjp_forward),
                               run.positions, both)
             else:
-                outs = {"forward": reference(*a64)}
+                outs = {"forward": forward_program(reference, a64)(*a64)}
             outs = jax.device_get(outs)
     except Exception as e:  # noqa: BLE001 - any failure means "no float64 reference"
         pinned = _narrow_output(reference, as_float64(run.args) if args64 is None else args64)
