@@ -69,10 +69,8 @@ def check_kernel(candidate: Callable, reference: Callable, *example_args,
     candidate runs `repeats` times on the example inputs (``nondeterministic`` when the runs
     differ beyond the dtype bound). A reference that differs from itself runs twice on every
     variant, and a failure within `REFERENCE_SPREAD_FACTOR` (4) times its own run-to-run
-    difference passes (``within_reference_spread``). The callables run on the calling thread,
-    each one's forward and backward as one jitted program per shape, as in a jitted training
-    step (a plain callable too: one that jit rejects, reading a value on the host, runs op by
-    op as given).
+    difference passes (``within_reference_spread``). Each callable runs (on the calling thread)
+    as one jitted program per shape, as in a training step; op by op where jit rejects it.
 
     Args:
       candidate, reference: ``fn(*args) -> array or pytree``.

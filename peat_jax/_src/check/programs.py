@@ -107,8 +107,8 @@ def vjp_outputs(fn: Callable, args: tuple, positions: Sequence[int], ct,
     linearised forward and the transposed backward), and a plain call one more, per new shape.
     Any other `fn` runs as given, eagerly (jit would reject a callable that branches on values
     or takes Python scalars); with `jit_plain`, a plain one is jitted too where it traces (on
-    array arguments; eagerly where tracing or compiling it raises), for a computation whose
-    numerics may move with XLA's fusions (the float64 reference)."""
+    array arguments; eagerly where tracing or compiling it raises): fused, as in a jitted
+    training step, and compiled once per shape rather than op by op."""
     with at_matmul_precision(fn.precision if isinstance(fn, Pinned) else None):
         if fusable(fn, args, ct, plain=jit_plain):
             try:
