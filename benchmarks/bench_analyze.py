@@ -37,6 +37,12 @@ allclose_first_s: the allclose test an author would write instead of the check, 
   allclose_first_runs_s).
 allclose_second_shape_s: in the same process, the same test at the second shape's shapes (40x24
   by 24x56), timed alone; the median of 3 (each in allclose_second_shape_runs_s).
+port_check_s: a cold `check_kernel` of a plain (un-jitted) port, attention written by hand on
+  [batch, length, heads, head_dim] operands (2 x 24 x 4 x 16, float32), against a plain library
+  function, ``flax.linen.dot_product_attention``, in a fresh process, import included, as
+  `first_check_s` (median of 3: port_check_runs_s); port_allclose_s: the allclose test of the
+  same pair (one jitted forward and backward of each, ``assert_allclose`` at 1e-5), the same
+  way; port_check_ratio: the first over the second (the kernel author's loop for a port).
 first_check_ratio: first_check_s over allclose_first_s. Goal <= 1.5, the rounding floor of the
   detector-truth issue included (that issue's own bound: the rounding floor keeps it <= 2.2).
 second_shape_ratio: second_shape_s over allclose_second_shape_s. Goal <= 1.5.
@@ -46,7 +52,7 @@ round, their order rotated from round to round (the cold check and the allclose 
 which runs first), 3 rounds (``--samples``); the ratios are of the medians.
 
 Prints one JSON object on one line. Runs with no arguments in about 75 s on 2 CPU cores shared
-with another job (``--no-check`` skips the check timings and the allclose baseline).
+with another job (``--no-check`` skips the check timings and the allclose baselines).
 """
 from __future__ import annotations
 
@@ -126,14 +132,15 @@ print(json.dumps({"second_shape_s": time.perf_counter() - t0, "first_check_compi
 """
 
 
-def _fresh(args: list[str]) -> tuple[float, str]:
+def _fresh(args: list[str], failing_is_an_error: bool = False) -> tuple[float, str]:
     """(wall seconds, stdout) of a fresh Python process running `args`, with peat's persistent
-    compilation cache off (a cold start)."""
+    compilation cache off (a cold start); a RuntimeError where it fails (exit 1, a check's
+    failing verdict, too with `failing_is_an_error`)."""
     env = dict(os.environ, PEAT_CACHE_DIR="off")
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    if done.returncode not in (0, 1):   # 1: the check found a failing kernel
+    if done.returncode not in ((0,) if failing_is_an_error else (0, 1)):
         raise RuntimeError(f"{args} failed:\n{done.stderr[-2000:]}")
     return wall, done.stdout
 
@@ -171,6 +178,50 @@ t0 = time.perf_counter()
 test(40, 24, 56, 1)
 print(json.dumps({"second_shape_s": time.perf_counter() - t0}))
 """
+
+
+# A plain port checked against a plain library function (argv[1] "check"), or the allclose test
+# of the same pair ("allclose").
+_PORT = r"""
+import sys
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peat_jax
+def attention(q, k, v):
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(jnp.asarray(q.shape[-1], q.dtype))
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)
+q, k, v, ct = (np.random.default_rng(i).standard_normal((2, 24, 4, 16), np.float32)
+               for i in range(4))
+if sys.argv[1] == "check":
+    d = peat_jax.check_kernel(attention, nn.dot_product_attention, q, k, v)
+    sys.exit(0 if d.passed else 1)
+def forward_backward(fn):
+    @jax.jit
+    def run(q, k, v, ct):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return (out, *vjp(ct))
+    return run
+for got, want in zip(forward_backward(attention)(q, k, v, ct),
+                     forward_backward(nn.dot_product_attention)(q, k, v, ct)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+"""
+
+
+def port_checks(samples: int) -> dict:
+    """port_check_s, port_allclose_s and their ratio (see the docstring): medians over
+    `samples` fresh processes of each, interleaved, the order alternating."""
+    checks, allclose = [], []
+    for i in range(samples):
+        for kind in (("check", "allclose") if i % 2 == 0 else ("allclose", "check")):
+            wall, _ = _fresh(["-c", _PORT, kind], failing_is_an_error=True)
+            (checks if kind == "check" else allclose).append(wall)
+    check, baseline = statistics.median(checks), statistics.median(allclose)
+    return {"port_check_s": round(check, 2), "port_check_runs_s": [round(t, 2) for t in checks],
+            "port_allclose_s": round(baseline, 2),
+            "port_allclose_runs_s": [round(t, 2) for t in allclose],
+            "port_check_ratio": round(check / baseline, 2)}
 
 
 def first_checks(samples: int) -> dict:
@@ -228,7 +279,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--samples", type=int, default=3, help="fresh processes per check "
                         "timing (medians reported)")
     parser.add_argument("--no-check", action="store_true", help="skip first_check_s, "
-                        "second_shape_s and the allclose baseline")
+                        "second_shape_s, the port's check and the allclose baselines")
     args = parser.parse_args(argv)
 
     candidate, golden = _pair(args.side)
@@ -260,6 +311,7 @@ def main(argv=None) -> dict:
         "significant": sig.counts.significant,
         "significant_with_errors": sig_f.counts.significant,
         **({} if args.no_check else first_checks(args.samples)),
+        **({} if args.no_check else port_checks(args.samples)),
         "repeats": args.repeats,
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),
