@@ -420,9 +420,8 @@ def test_plain_callables_run_as_one_program_per_shape_where_they_trace():
     d = check_kernel(candidate, reference, A, B, variants=variants, seed=1)
     assert d.passed and "no_float64_reference" not in d.evidence, d.summary
     assert len(widths["candidate"]) == traced["candidate"]
-    assert widths["reference"].count(jnp.float64) == widths["reference"][:traced[
-        "reference"]].count(jnp.float64)
-    assert len(widths["reference"]) <= traced["reference"] + 1   # its output's shape, traced
+    again = widths["reference"][traced["reference"]:]
+    assert jnp.float64 not in again and len(again) <= 1, again   # its output's shape, traced
     for backward in (True, False):
         d = check_kernel(lambda a, b, flags: blocked(a, b), reads_a_value, A, B,
                          jnp.zeros(4, bool), variants=variants, backward=backward)
