@@ -18,6 +18,7 @@ from peat_jax._src import analyzer as A
 from peat_jax._src._jax import cache_size
 from peat_jax._src.detector import detect
 from peat_jax._src.analyzer import Signature, analyze
+from peat_jax._src.analyzer.bucket import bucket_of
 from peat_jax._src.errors import PeatError
 
 TINY32 = np.float32(np.finfo(np.float32).smallest_subnormal)
@@ -301,13 +302,23 @@ def test_one_compile_per_shape_and_dtype():
 def test_small_shapes_share_one_compiled_program_and_large_ones_reuse_the_sample_program():
     analyze(_normal(8), _normal(9))
     shapes, samples = cache_size(A.device.shape_program), cache_size(A.device.sample_program)
-    for shape in ((7, 3), (5, 40), (128, 64), (1, 1)):     # the (128, 64) bucket, as SHAPE
+    # the (128, 64) bucket, as SHAPE; N-D leaves by their 2-D view
+    for shape in ((7, 3), (5, 40), (128, 64), (1, 1), (3, 4, 5), (2, 3, 4, 16)):
         analyze(_normal(1, shape), _normal(2, shape))
     assert cache_size(A.device.shape_program) == shapes
-    for shape in ((3, 4, 5), (129, 64)):                  # 3-D; too many rows for the bucket
+    for shape in ((3, 5, 5), (129, 64)):   # 3-D with square last axes; too many rows
         analyze(_normal(1, shape), _normal(2, shape))
     assert cache_size(A.device.sample_program) == samples
     assert cache_size(A.device.shape_program) == shapes + 2
+
+
+@pytest.mark.parametrize("shape, bucketed", [
+    ((5, 40), True), ((33, 33), True), ((2, 5, 40), True), ((2, 3, 4, 16), True),
+    ((3, 8, 8), False),      # square last axes: the transpose check runs per leading slice
+    ((2, 8, 16), False),     # a square 2-D view (16 x 16) whose leaf's last axes are not
+    ((129, 64), False)])     # more rows than the bucket holds
+def test_a_leaf_shares_a_bucket_where_its_analysis_needs_no_shape_of_its_own(shape, bucketed):
+    assert (bucket_of(shape, np.float32, 8192) is not None) == bucketed
 
 
 def _programs(names: list[str]) -> list[str]:
@@ -316,7 +327,8 @@ def _programs(names: list[str]) -> list[str]:
 
 
 # a shape no other test analyses, in float16 with a float64 reference: new programs for each test
-_FRESH = {"concurrent": (3, 5, 7), "ahead": (2, 9, 11), "detail": (2, 7, 13)}
+# (3-D with square last axes: no padded bucket)
+_FRESH = {"concurrent": (3, 7, 7), "ahead": (2, 11, 11), "detail": (2, 13, 13)}
 
 
 def test_concurrent_analyses_of_a_new_shape_compile_its_programs_once():
@@ -426,7 +438,8 @@ def _faulty(kind: str, g: np.ndarray) -> np.ndarray:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
-@pytest.mark.parametrize("shape", [(7,), (1, 1), (5, 40), (33, 33), (3, 200)])
+@pytest.mark.parametrize("shape", [(7,), (1, 1), (5, 40), (33, 33), (3, 200), (2, 5, 40),
+                                   (2, 3, 4, 16)])
 def test_a_leaf_padded_into_its_bucket_has_the_signature_it_has_alone(shape, dtype,
                                                                       monkeypatch):
     from peat_jax._src.analyzer import api

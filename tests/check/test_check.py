@@ -338,11 +338,11 @@ def test_variants_and_reruns_share_the_analyzers_compiled_programs():
 
 @pytest.mark.parametrize("repeats", [1, 3])
 def test_a_deterministic_candidates_repeats_compile_no_statistics(repeats):
-    """A 3-D output is analysed at its own shape (no padded bucket): the check compiles one
-    statistics program for it, against the float64 reference, whatever the repeats; bitwise
-    equal repeats are exact without an analysis."""
+    """A 3-D output with square last axes is analysed at its own shape (no padded bucket): the
+    check compiles one statistics program for it, against the float64 reference, whatever the
+    repeats; bitwise equal repeats are exact without an analysis."""
     a = jax.random.normal(jax.random.key(7), (2, 5 + repeats, 4))
-    b = jax.random.normal(jax.random.key(8), (2, 4, 3))
+    b = jax.random.normal(jax.random.key(8), (2, 4, 5 + repeats))
     before = cache_size(device.shape_program)
     d = check_kernel(lambda x, y: jnp.einsum("bik,bkj->bij", x, y), jnp.matmul, a, b,
                      variants=("example",), backward=False, repeats=repeats)
