@@ -299,6 +299,50 @@ def test_one_compile_per_shape_and_dtype():
     assert cache_size(A.device.shape_program) <= before + 1
 
 
+def test_a_small_leaf_on_a_cpu_runs_the_programs_compiled_at_level_0():
+    """`shape_program` and `detail_program` compile at XLA's backend optimisation level 0 for a
+    leaf of at most SMALL_LEAF elements (0.6 s against 1.0 s here, as fast at that size), and as
+    XLA compiles by default for a larger one (level 0 runs a 16M-element leaf 30x slower)."""
+    small, large = A.device.SMALL_LEAF, A.device.SMALL_LEAF + 1
+    for program in (A.device.shape_program, A.device.detail_program):
+        assert program.for_leaf(jnp.zeros((small,), jnp.float16)) is program.small
+        assert program.for_leaf(np.zeros((small,), np.float16)) is program.small
+        assert program.for_leaf(jnp.zeros((large,), jnp.float16)) is program.default
+    shape = (3, 9, 9)   # square last axes: its own program, which no other test compiles
+    before = [cache_size(p) for p in (A.device.shape_program.small,
+                                      A.device.shape_program.default)]
+    analyze(_normal(1, shape), _normal(2, shape))
+    after = [cache_size(p) for p in (A.device.shape_program.small,
+                                     A.device.shape_program.default)]
+    assert [a - b for a, b in zip(after, before)] == [1, 0]
+
+
+def test_concurrent_analyses_of_a_passing_leaf_trace_its_empty_detail_once(monkeypatch):
+    """A leaf without significant errors gets the detail stages' empty results, whose shapes
+    come from a trace of `detail_program` (~0.2 s holding the GIL): analyses on several threads
+    (`check_kernel`'s) that miss together trace it once."""
+    A.device._no_detail_traced.cache_clear()
+    traced = []
+    real = A.device._empty_detail
+
+    def counted(leaf, options):
+        traced.append(leaf.shape)
+        return real(leaf, options)
+
+    monkeypatch.setattr(A.device, "_empty_detail", counted)
+    g = _normal(5)
+    start = threading.Barrier(3)
+
+    def one(k):
+        start.wait()
+        return analyze(g, g)
+
+    with ThreadPoolExecutor(3) as pool:
+        sigs = list(pool.map(one, range(3)))
+    assert len(traced) == 1, traced
+    assert all(s.counts.significant == 0 and s.worst == () for s in sigs)
+
+
 def test_small_shapes_share_one_compiled_program_and_large_ones_reuse_the_sample_program():
     analyze(_normal(8), _normal(9))
     shapes, samples = cache_size(A.device.shape_program), cache_size(A.device.sample_program)
