@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from peat_jax._src._jax import x64_enabled
+from peat_jax._src._jax import cache_size, x64_enabled
 from peat_jax._src.analyzer.bits import Operand
 from peat_jax._src.analyzer.contract import (ConditioningStats, LeafScales, LeafStats, Options,
                                              PermutationStats, SampleStats, StructureStats,
@@ -167,7 +167,7 @@ class LeafProgram:
 
     def _cache_size(self) -> int:
         """Executables both have compiled (what `_jax.cache_size` reads of a jitted function)."""
-        return self.default._cache_size() + self.small._cache_size()
+        return cache_size(self.default) + cache_size(self.small)
 
 
 @LeafProgram
