@@ -157,8 +157,9 @@ class LeafProgram:
 
     def for_leaf(self, c: jax.Array):
         """`small` for a concrete array `c` of at most `SMALL_LEAF` elements on CPU devices (a
-        NumPy array: on jax's default device), else `default`."""
-        devices = c.devices() if isinstance(c, jax.Array) else jax.devices()[:1]
+        NumPy array: on this process's first device, where `api._home` commits it), else
+        `default`."""
+        devices = c.devices() if isinstance(c, jax.Array) else jax.local_devices()[:1]
         small = np.size(c) <= SMALL_LEAF and all(d.platform == "cpu" for d in devices)
         return self.small if small else self.default
 
