@@ -317,20 +317,20 @@ def test_a_small_leaf_on_a_cpu_runs_the_programs_compiled_at_level_0():
     assert [a - b for a, b in zip(after, before)] == [1, 0]
 
 
-def test_concurrent_analyses_of_a_passing_leaf_trace_its_empty_detail_once(monkeypatch):
-    """A leaf without significant errors gets the detail stages' empty results, whose shapes
-    come from a trace of `detail_program` (~0.2 s holding the GIL): analyses on several threads
-    (`check_kernel`'s) that miss together trace it once."""
-    A.device._no_detail_traced.cache_clear()
+def test_a_passing_leaf_traces_no_detail_stage(monkeypatch):
+    """A leaf without significant errors gets the detail stages' empty results from the host
+    (`structure.no_detail`): no trace of `detail_program` (each held the GIL 0.2-0.3 s per new
+    shape in a cold check, on its critical path), also where analyses on several threads
+    (`check_kernel`'s) miss together; a failing leaf still runs the stages."""
     traced = []
-    real = A.device._empty_detail
+    real = A.device.structure
 
-    def counted(leaf, options):
-        traced.append(leaf.shape)
-        return real(leaf, options)
+    def counted(c, *args):
+        traced.append(c.shape)
+        return real(c, *args)
 
-    monkeypatch.setattr(A.device, "_empty_detail", counted)
-    g = _normal(5)
+    monkeypatch.setattr(A.device, "structure", counted)
+    g = _normal(5, (3, 5, 77))   # a shape (and bucket) no other test analyses
     start = threading.Barrier(3)
 
     def one(k):
@@ -339,8 +339,63 @@ def test_concurrent_analyses_of_a_passing_leaf_trace_its_empty_detail_once(monke
 
     with ThreadPoolExecutor(3) as pool:
         sigs = list(pool.map(one, range(3)))
-    assert len(traced) == 1, traced
+    assert traced == []
     assert all(s.counts.significant == 0 and s.worst == () for s in sigs)
+    c = g.copy()
+    c[1, 2, 3] = 7.0
+    assert analyze(c, g).worst[0].index == (1, 2, 3)
+    assert traced
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_a_share_at_a_rules_threshold_reads_exactly_with_or_without_x64(x64):
+    """The structure's shares are divided on the host from exact counts: 19 of 20 errors in one
+    full row read 0.95 (float32 division read 0.94999999 without 64-bit types), which
+    `operand_corruption`'s >= 0.95 names either way; 9 of 10 error rows each scaled by its own
+    constant read 0.9 (float32 on both), which `wrong_scale`'s >= 0.9 names."""
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal((8, 19)).astype(np.float32)
+    c = g.copy()
+    c[2, :] += 3.0
+    c[5, 7] += 3.0
+    g2 = rng.standard_normal((32, 64)).astype(np.float32)
+    c2 = g2.copy()
+    for i in range(9):
+        c2[i] *= 1.5 + 0.25 * i
+    c2[9] += rng.standard_normal(64).astype(np.float32)
+    with jax.enable_x64(x64):
+        full, scaled = analyze(c, g), analyze(c2, g2)
+    assert (full.counts.significant, full.structure.in_full_rows) == (20, 0.95)
+    assert detect(full).model == "operand_corruption"
+    assert (scaled.structure.rows_with_errors, scaled.ratio.rows_constant) == (10, 0.9)
+    assert detect(scaled).model == "wrong_scale"
+
+
+@pytest.mark.parametrize("dtype, shape, reference", [
+    (np.float32, (67, 33), False), (np.float32, (300, 40), True),
+    (ml_dtypes.bfloat16, (2, 24, 4, 16), True), (np.float16, (100,), False),
+    (np.float64, (5, 7, 3), True)])
+def test_the_host_empty_detail_is_what_the_detail_program_returns_without_errors(
+        dtype, shape, reference):
+    """`structure.no_detail` on the host (what a passing leaf gets) equals what the device's
+    `detail_program` returns when the leaf has no significant error, in tree, dtypes, shapes
+    and values, with and without 64-bit types (the stages' sums follow them)."""
+    x64 = reference or dtype == np.float64
+    with jax.enable_x64(x64):
+        g = jnp.asarray(_normal(3, shape, dtype))
+        r = jnp.asarray(np.asarray(g, np.float64)) if reference else None
+        f = A.noise.analyzed_format(g.dtype)
+        options = A.contract.Options(noise_factor=4.0, ulp_allowance=2.0, bound_coef=1e-5,
+                                     sample_size=8192, blocks=(8, 16))
+        stats, _, scales, _, row_cnt = A.device.shape_program(g, g, r, options)
+        assert int(stats.whole.significant) == 0
+        device = A.device.to_host(A.device.detail_program(
+            g, g, r, scales, stats.whole.significant, stats.scales.rel_tol, row_cnt, options))
+        host = A.structure.no_detail(shape, f, x64)
+    assert jax.tree.structure(device) == jax.tree.structure(host)
+    for d, h in zip(jax.tree.leaves(device), jax.tree.leaves(host)):
+        assert (d.dtype, d.shape) == (h.dtype, h.shape)
+        np.testing.assert_array_equal(d, h)
 
 
 def test_small_shapes_share_one_compiled_program_and_large_ones_reuse_the_sample_program():

@@ -33,6 +33,8 @@ def _quantiles(qs, vals) -> dict:
 
 
 def _share(count, total: int) -> float:
+    """count / total (device counts) in float64 on the host, 0 for no total: a share that
+    meets a rule's threshold exactly (19 of 20: 0.95) reads below it in float32."""
     return float(count) / total if total else 0.0
 
 
@@ -114,10 +116,12 @@ def _noise(stats: LeafStats, options: Options, reduction_length: Optional[int],
 
 def _ratio(stats: LeafStats) -> Ratio:
     r, n = stats.sample.ratio, int(stats.sample.counts.ratio_elements)
+    st = stats.structure
     rtol, spread = float(stats.scales.rel_tol), float(r.spread)
     return Ratio(median=float(r.median), spread=spread, spread_p99=float(r.spread_p99),
                  tolerance=rtol, constant=bool(n >= 2 and spread <= rtol),
-                 rows_constant=float(stats.structure.rows_constant), n=n)
+                 rows_constant=_share(st.rows_constant, int(st.rows_with_errors)),
+                 n=n)
 
 
 def _profile_stats(p: np.ndarray, per_index: int, blocks) -> tuple:
@@ -176,7 +180,8 @@ def _structure(stats: LeafStats, shape, options: Options) -> Structure:
         full_rows=tuple(int(v) for v in st.full_rows if v >= 0),
         full_cols=tuple(int(v) for v in st.full_cols if v >= 0),
         n_full_rows=int(st.n_full_rows), n_full_cols=int(st.n_full_cols),
-        in_full_rows=float(st.in_full_rows), in_full_cols=float(st.in_full_cols),
+        in_full_rows=_share(st.in_full_rows, int(stats.whole.significant)),
+        in_full_cols=_share(st.in_full_cols, int(stats.whole.significant)),
         span=span, blocks=tuple(blocks), period=period, n_rows=R, n_cols=C)
 
 

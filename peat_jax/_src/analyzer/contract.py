@@ -162,9 +162,9 @@ class StructureStats(NamedTuple):
     full_cols: Array
     n_full_rows: Array
     n_full_cols: Array
-    in_full_rows: Array        # share of significant errors
-    in_full_cols: Array
-    rows_constant: Array       # share of error rows with a constant ratio != 1
+    in_full_rows: Array        # significant errors inside them (a count: `build` makes the
+    in_full_cols: Array        #   share on the host, exact where it meets a threshold)
+    rows_constant: Array       # error rows with a constant ratio != 1 (a count, as in_full_rows)
 
 
 class PermutationStats(NamedTuple):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from typing import TypeVar, cast
 
 import jax
@@ -37,7 +36,7 @@ from peat_jax._src.analyzer.elements import (Scales, elements, i32, leaf_scales,
 from peat_jax._src.analyzer.noise import NOISE_FREE_SHARE, analyzed_format
 from peat_jax._src.analyzer.quantiles import with_quantiles
 from peat_jax._src.analyzer.sample import Gathered, gather_sample, sample_stats
-from peat_jax._src.analyzer.structure import permutation, structure
+from peat_jax._src.analyzer.structure import no_detail, permutation, structure
 from peat_jax._src.formats import FloatFormat
 
 T = TypeVar("T")
@@ -240,8 +239,9 @@ def leaf_stats(c, g, r, options: Options, k=None, extent=None) -> LeafStats:
     `g`'s shape; its magnitude counts, a non-finite element as 0) or None, on the host:
     `shape_program`, then `sample_program` on its sample (dispatched without waiting; a new
     shape compiles only the first), both fetched in one transfer per dtype (`to_host`); then,
-    only where that says significant errors exist, `detail_program` and a second transfer.
-    `extent`: see `shape_program` (the operands then are a bucket's padded arrays).
+    only where that says significant errors exist, `detail_program` and a second transfer
+    (else `structure.no_detail`, built on the host). `extent`: see `shape_program` (the
+    operands then are a bucket's padded arrays).
 
     Returns:
       A `LeafStats` of numpy scalars and small vectors (see `contract`); for a bucket, in the
@@ -255,52 +255,20 @@ def leaf_stats(c, g, r, options: Options, k=None, extent=None) -> LeafStats:
             c, g, r, scales, stats.whole.significant, stats.scales.rel_tol, row_cnt, options, k,
             extent))
     else:
-        # the sums' dtypes follow x64
-        worst, struct, perm = _no_detail(jax.ShapeDtypeStruct(c.shape, c.dtype), options,
-                                         x64_enabled())
+        worst, struct, perm = _no_detail(tuple(c.shape), np.dtype(c.dtype), x64_enabled())
     return stats._replace(worst=worst, structure=struct, permutation=perm)
 
 
-_NO_DETAIL = threading.Lock()
-
-
-def _no_detail(leaf: jax.ShapeDtypeStruct, options: Options, x64: bool
+@functools.lru_cache(maxsize=256)
+def _no_detail(shape: tuple, dtype: np.dtype, x64: bool
                ) -> tuple[WorstStats, StructureStats, PermutationStats]:
-    """What `detail_program` returns for a leaf shaped like `leaf` without significant errors
-    (`structure`'s and `permutation`'s gated branches: the worst elements' indices -1, the
-    permutation checks -1, the rest 0), as read-only host arrays of its output's shapes when
-    traced with 64-bit types as `x64` says (traced, not compiled; the shapes do not depend on
-    the reference, the spread or a bucket's extent). Traced once per arguments: analyses on
-    several threads that miss together wait for the first (a trace holds the GIL ~0.2 s)."""
-    with _NO_DETAIL:
-        return _no_detail_traced(leaf, options, x64)
-
-
-@functools.lru_cache(maxsize=64)
-def _no_detail_traced(leaf: jax.ShapeDtypeStruct, options: Options, x64: bool
-                      ) -> tuple[WorstStats, StructureStats, PermutationStats]:
-    with jax.enable_x64(x64):
-        return _empty_detail(leaf, options)
-
-
-def _empty_detail(leaf: jax.ShapeDtypeStruct, options: Options
-                  ) -> tuple[WorstStats, StructureStats, PermutationStats]:
-    f = analyzed_format(leaf.dtype)
-    scales = Scales(rms=jax.ShapeDtypeStruct((), f.compute_dtype),
-                    abs_floor=jax.ShapeDtypeStruct((), f.compute_dtype))
-    counts = jax.ShapeDtypeStruct((view2d(leaf.shape)[0],), jnp.int32)
-    shapes = jax.eval_shape(detail_program.default, leaf, leaf, None, scales,
-                            jax.ShapeDtypeStruct((), jnp.int32),
-                            jax.ShapeDtypeStruct((), jnp.float32), counts, options)
-
-    def filled(sd, value=0):
-        x = np.full(sd.shape, value, sd.dtype)
+    """`structure.no_detail` of a leaf of `shape` and `dtype` as read-only host arrays (shared by
+    the passing leaves of that shape)."""
+    def read_only(x):
         x.flags.writeable = False
         return x
 
-    worst, struct, perm = jax.tree.map(filled, shapes)
-    return (worst._replace(index=filled(worst.index, -1)), struct,
-            PermutationStats(*(filled(x, -1) for x in perm)))
+    return jax.tree.map(read_only, no_detail(shape, analyzed_format(dtype), x64))
 
 
 def _groups(leaves) -> dict:

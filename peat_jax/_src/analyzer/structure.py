@@ -6,9 +6,11 @@ exact over the whole leaf.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from peat_jax._src._jax import x64_enabled
 
 from peat_jax._src.analyzer.bits import decode, from_monotonic, operand_of_bits, values
 from peat_jax._src.analyzer.contract import (Options, PermutationStats, StructureStats, WorstStats,
@@ -21,6 +23,36 @@ from peat_jax._src.formats import FloatFormat, ulp_of_magnitude
 
 _FULL_SHARE = (9, 10)   # a row / column with this share of its elements wrong is "full"
 _N_FULL_LISTED = 8
+
+
+def no_detail(shape, f: FloatFormat, x64: bool, xp=np
+              ) -> tuple[WorstStats, StructureStats, PermutationStats]:
+    """What `structure` and `permutation` return for a leaf of `shape` and format `f` without
+    significant errors: the worst elements' indices and the permutation checks -1, the rest 0,
+    in the dtypes the stages compute with 64-bit types as `x64` says (their sums of int32
+    follow it). `xp`: `jnp` in the stages' gated branches (`lax.cond`
+    holds them to the dtypes and shapes the stages return), NumPy for a passing leaf on the
+    host (`device.leaf_stats`: no detail program traced or run)."""
+    R, C, _, R2 = view2d(shape)
+    k = min(N_WORST, R * C)
+    sums = np.int64 if x64 else np.int32
+
+    def zeros(n, dtype, value=0):
+        return xp.full(n, value, dtype)
+
+    worst = WorstStats(
+        index=zeros(k, np.int32, -1), score=zeros(k, np.float32),
+        candidate_bits=zeros(k, f.wide_uint), golden_bits=zeros(k, f.wide_uint),
+        candidate=zeros(k, f.compute_dtype), golden=zeros(k, f.compute_dtype),
+        noise_bits=zeros(k, np.int32), floor=zeros(k, f.compute_dtype))
+    struct = StructureStats(
+        profile_cols=zeros(C, np.int32), profile_rows=zeros(R2, sums),
+        rows_with_errors=zeros((), sums), cols_with_errors=zeros((), sums),
+        full_rows=zeros(_N_FULL_LISTED, np.int32), full_cols=zeros(_N_FULL_LISTED, np.int32),
+        n_full_rows=zeros((), sums), n_full_cols=zeros((), sums),
+        in_full_rows=zeros((), sums), in_full_cols=zeros((), sums),
+        rows_constant=zeros((), sums))
+    return worst, struct, PermutationStats(*(zeros((), np.int32, -1) for _ in range(3)))
 
 
 def _score(el: Elements):
@@ -91,23 +123,21 @@ def _summary(row_cnt, col_cnt, rmax, rmin, rel_tol, shape, rows, cols) -> Struct
     array of `shape` whose first `rows` x `cols` elements are the leaf's (a bucket's padding
     beyond them holds no error)."""
     _, _, lead, R2 = view2d(shape)
-    total = jnp.maximum(jnp.sum(row_cnt), 1)
     full_r = (row_cnt >= _full(cols)) & (cols >= 2)
     full_c = (col_cnt >= _full(rows)) & (rows >= 2)
     has = row_cnt > 0
     scale = jnp.maximum(jnp.abs(rmax), jnp.abs(rmin))
     const = has & jnp.isfinite(rmax) & (rmax - rmin <= rel_tol * scale) & \
         (jnp.abs(0.5 * (rmax + rmin) - 1) > rel_tol)
-    rows_const = jnp.sum(i32(const)) / jnp.maximum(jnp.sum(i32(has)), 1)
     return StructureStats(
         profile_cols=col_cnt, profile_rows=row_cnt.reshape(lead, R2).sum(axis=0),
         rows_with_errors=jnp.sum(i32(has)), cols_with_errors=jnp.sum(i32(col_cnt > 0)),
         full_rows=jnp.nonzero(full_r, size=_N_FULL_LISTED, fill_value=-1)[0].astype(jnp.int32),
         full_cols=jnp.nonzero(full_c, size=_N_FULL_LISTED, fill_value=-1)[0].astype(jnp.int32),
         n_full_rows=jnp.sum(i32(full_r)), n_full_cols=jnp.sum(i32(full_c)),
-        in_full_rows=jnp.sum(jnp.where(full_r, row_cnt, 0)) / total,
-        in_full_cols=jnp.sum(jnp.where(full_c, col_cnt, 0)) / total,
-        rows_constant=rows_const.astype(jnp.float32))
+        in_full_rows=jnp.sum(jnp.where(full_r, row_cnt, 0)),
+        in_full_cols=jnp.sum(jnp.where(full_c, col_cnt, 0)),
+        rows_constant=jnp.sum(i32(const)))
 
 
 def structure(c, g, r, s: Scales, options: Options, f: FloatFormat, n_sig, rel_tol,
@@ -146,11 +176,8 @@ def structure(c, g, r, s: Scales, options: Options, f: FloatFormat, n_sig, rel_t
         col_cnt, rmax, rmin = lax.cond(n_sig > k, dense, sparse, None)
         return worst, _summary(row_cnt, col_cnt, rmax, rmin, rel_tol, c.shape, s.rows, s.cols)
 
-    shapes = jax.eval_shape(run, None)
-
     def empty(_):
-        worst, struct = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)
-        return worst._replace(index=jnp.full((k,), -1, jnp.int32)), struct
+        return no_detail(c.shape, f, x64_enabled(), jnp)[:2]
 
     return lax.cond(n_sig > 0, run, empty, None)
 
@@ -158,7 +185,7 @@ def structure(c, g, r, s: Scales, options: Options, f: FloatFormat, n_sig, rel_t
 def permutation(c, g, r, s: Scales, options: Options, f: FloatFormat, n_sig) -> PermutationStats:
     """Sorted-equality and transpose checks of `Operand`s `c`, `g` (gated by `n_sig`; leaves up
     to `PERMUTATION_MAX_ELEMENTS`, -1 otherwise)."""
-    not_checked = PermutationStats(*(jnp.asarray(-1, jnp.int32) for _ in range(3)))
+    not_checked = no_detail(c.shape, f, x64_enabled(), jnp)[2]
     if c.size > PERMUTATION_MAX_ELEMENTS:
         return not_checked
     if isinstance(s.rows, int):   # the leaf as it is
