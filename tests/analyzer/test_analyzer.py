@@ -341,6 +341,7 @@ def test_a_passing_leaf_traces_no_detail_stage(monkeypatch):
         sigs = list(pool.map(one, range(3)))
     assert traced == []
     assert all(s.counts.significant == 0 and s.worst == () for s in sigs)
+    assert all(s.structure.full_rows == s.structure.full_cols == () for s in sigs)
     c = g.copy()
     c[1, 2, 3] = 7.0
     assert analyze(c, g).worst[0].index == (1, 2, 3)

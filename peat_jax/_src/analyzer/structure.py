@@ -28,11 +28,11 @@ _N_FULL_LISTED = 8
 def no_detail(shape, f: FloatFormat, x64: bool, xp=np
               ) -> tuple[WorstStats, StructureStats, PermutationStats]:
     """What `structure` and `permutation` return for a leaf of `shape` and format `f` without
-    significant errors: the worst elements' indices and the permutation checks -1, the rest 0,
-    in the dtypes the stages compute with 64-bit types as `x64` says (their sums of int32
-    follow it). `xp`: `jnp` in the stages' gated branches (`lax.cond`
-    holds them to the dtypes and shapes the stages return), NumPy for a passing leaf on the
-    host (`device.leaf_stats`: no detail program traced or run)."""
+    significant errors: the worst elements' and the full rows' and columns' indices (empty
+    slots) and the permutation checks -1, the rest 0, in the dtypes the stages compute with
+    64-bit types as `x64` says (their sums of int32 follow it). `xp`: `jnp` in the stages'
+    gated branches (`lax.cond` holds them to the dtypes and shapes the stages return), NumPy
+    for a passing leaf on the host (`device.leaf_stats`: no detail program traced or run)."""
     R, C, _, R2 = view2d(shape)
     k = min(N_WORST, R * C)
     sums = np.int64 if x64 else np.int32
@@ -48,7 +48,8 @@ def no_detail(shape, f: FloatFormat, x64: bool, xp=np
     struct = StructureStats(
         profile_cols=zeros(C, np.int32), profile_rows=zeros(R2, sums),
         rows_with_errors=zeros((), sums), cols_with_errors=zeros((), sums),
-        full_rows=zeros(_N_FULL_LISTED, np.int32), full_cols=zeros(_N_FULL_LISTED, np.int32),
+        full_rows=zeros(_N_FULL_LISTED, np.int32, -1),
+        full_cols=zeros(_N_FULL_LISTED, np.int32, -1),
         n_full_rows=zeros((), sums), n_full_cols=zeros((), sums),
         in_full_rows=zeros((), sums), in_full_cols=zeros((), sums),
         rows_constant=zeros((), sums))
