@@ -11,7 +11,6 @@ import numpy as np
 from jax import lax
 
 from peat_jax._src._jax import x64_enabled
-
 from peat_jax._src.analyzer.bits import decode, from_monotonic, operand_of_bits, values
 from peat_jax._src.analyzer.contract import (Options, PermutationStats, StructureStats, WorstStats,
                                              view2d)
