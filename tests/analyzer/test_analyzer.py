@@ -372,6 +372,21 @@ def test_a_share_at_a_rules_threshold_reads_exactly_with_or_without_x64(x64):
     assert detect(scaled).model == "wrong_scale"
 
 
+def test_a_row_with_one_large_value_shows_no_constant_ratio():
+    """A row counts as scaled by its own constant only over two or more values with
+    |g| >= rms(g): rows of one large value each (softmax-like) scaled by unrelated factors are
+    not `wrong_scale` (every such row read constant, on its single value, before)."""
+    rng = np.random.default_rng(1)
+    g = np.full((20, 12), 0.01, np.float32)
+    g[:, 3] = 1.0
+    g += rng.uniform(0, 0.001, g.shape).astype(np.float32)
+    c = g * rng.uniform(1.2, 1.5, g.shape).astype(np.float32)
+    sig = analyze(c, g)
+    assert (sig.structure.rows_with_errors, sig.ratio.n) == (20, 20)
+    assert sig.ratio.rows_constant == 0.0
+    assert detect(sig).model != "wrong_scale"
+
+
 @pytest.mark.parametrize("dtype, shape, reference", [
     (np.float32, (67, 33), False), (np.float32, (300, 40), True),
     (ml_dtypes.bfloat16, (2, 24, 4, 16), True), (np.float16, (100,), False),

@@ -104,10 +104,9 @@ IN_STEP: dict[str, frozenset] = {
     "bf16_accumulation": frozenset({"low_precision_accumulation"}),
     "fp16_accumulation": frozenset({"low_precision_accumulation"}),
     "race_two_writers": frozenset({"nan_inf", "random_value"}),  # no race detector here
-    # at the backward site only; the step's cotangent holds each softmax row's error to its own
-    # constant ratio in 9 of its 10 wrong rows: wrong_scale's ">= 90%" (read 0.89999998 while
-    # the share was divided in float32)
-    "backward_wrong": frozenset({"wrong_scale"}),
+    # at the backward site only (its 20 x 12 output holds 22 values with |g| >= rms(g): a row
+    # of one such value shows no constant ratio)
+    "backward_wrong": frozenset({"random_value"}),
     # named by the candidate's float64 run at the site, as by the check (the signature alone
     # says low_precision_accumulation: an error growing with the value)
     "gelu_tanh_for_exact": frozenset({"approximation"}),

@@ -164,8 +164,9 @@ class Ratio:
         sqrt(K)`` for the dtype bound), at least 4 eps.
       constant: ``spread <= tolerance`` and at least 2 elements.
       rows_constant: share of rows holding significant errors whose ratio is constant
-        (within tolerance) and differs from 1 by more than the tolerance (whole leaf; 0 when
-        there are no significant errors).
+        (within tolerance) over two or more elements with ``|g| >= rms(g)`` and differs from 1
+        by more than the tolerance (whole leaf; 0 when there are no significant errors, or
+        when they are few enough to be all listed among the worst).
       n: elements used.
     """
 

@@ -88,18 +88,19 @@ def _worst(c2, g2, r2, row_score, s: Scales, options: Options, f: FloatFormat,
 
 
 def _dense_columns(c2, g2, r2, s: Scales, options: Options, f: FloatFormat):
-    """(significant per column, per-row max and min of the ratio c / g): whole-leaf passes
-    (column reductions are slow on XLA:CPU), run only when the errors are too many to be all
-    listed among the worst."""
+    """(significant per column, per-row max and min of the ratio c / g over the values with
+    |g| >= rms(g), NaN for a row with fewer than two of them: one value shows no constant
+    ratio): whole-leaf passes (column reductions are slow on XLA:CPU), run only when the errors
+    are too many to be all listed among the worst."""
     R, C = c2.shape
     el = elements(c2, g2, r2, s, options, f, local_scale_2d(s, R, C))
     rsel = el.finite & (jnp.abs(el.gv) >= s.rms) & ~el.dg.zero & ~el.dg.subnormal
     ratio = jnp.where(rsel, el.cv / jnp.where(rsel, el.gv, 1), 0).astype(jnp.float32)
-    rmax, rmin = vreduce([jnp.where(rsel, ratio, -jnp.inf), jnp.where(rsel, ratio, jnp.inf)],
-                         ["max", "min"], (1,))
+    rmax, rmin, n = vreduce([jnp.where(rsel, ratio, -jnp.inf), jnp.where(rsel, ratio, jnp.inf),
+                             i32(rsel)], ["max", "min", "sum"], (1,))
     col_cnt, _ = vreduce([i32(el.significant), i32(el.significant & el.dc.zero)],
                          ["sum", "sum"], (0,))
-    return col_cnt, rmax, rmin
+    return col_cnt, jnp.where(n >= 2, rmax, jnp.nan), rmin
 
 
 def _sparse_columns(worst: WorstStats, R: int, C: int):

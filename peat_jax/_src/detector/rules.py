@@ -488,8 +488,8 @@ def _zeroed(s: Signature) -> Optional[Match]:
 def _wrong_scale(s: Signature) -> Optional[Match]:
     """Either the ratio candidate/golden over the golden values with |g| >= rms(g) is constant
     (spread within the noise tolerance) and differs from 1 by more than the tolerance; or >= 90%
-    of the rows holding significant errors have their own constant ratio != 1 (a per-row
-    scale)."""
+    of the rows holding significant errors have their own constant ratio != 1 over two or more
+    values with |g| >= rms(g) (a per-row scale)."""
     r = s.ratio
     if r is None or s.counts.significant == 0:
         return None
