@@ -52,7 +52,12 @@ def no_detail(shape, f: FloatFormat, x64: bool, xp=np
         n_full_rows=zeros((), sums), n_full_cols=zeros((), sums),
         in_full_rows=zeros((), sums), in_full_cols=zeros((), sums),
         rows_constant=zeros((), sums))
-    return worst, struct, PermutationStats(*(zeros((), np.int32, -1) for _ in range(3)))
+    return worst, struct, _not_checked(xp)
+
+
+def _not_checked(xp) -> PermutationStats:
+    """The permutation checks not run: -1 each (int32 scalars of `xp`)."""
+    return PermutationStats(*(xp.full((), -1, np.int32) for _ in range(3)))
 
 
 def _score(el: Elements):
@@ -186,7 +191,7 @@ def structure(c, g, r, s: Scales, options: Options, f: FloatFormat, n_sig, rel_t
 def permutation(c, g, r, s: Scales, options: Options, f: FloatFormat, n_sig) -> PermutationStats:
     """Sorted-equality and transpose checks of `Operand`s `c`, `g` (gated by `n_sig`; leaves up
     to `PERMUTATION_MAX_ELEMENTS`, -1 otherwise)."""
-    not_checked = no_detail(c.shape, f, x64_enabled(), jnp)[2]
+    not_checked = _not_checked(jnp)
     if c.size > PERMUTATION_MAX_ELEMENTS:
         return not_checked
     if isinstance(s.rows, int):   # the leaf as it is
