@@ -239,6 +239,64 @@ def test_batched_statistics_are_each_outputs_own():
     assert len(set(sums)) == 3  # a flipped sign bit and two swapped elements both change it
 
 
+def _defined(x: np.ndarray) -> tuple[int, int, int, float]:
+    """(checksum, zero count, non-finite count, abs-max or None where the output holds a
+    non-finite value) of an output as the module docstring defines them, in NumPy."""
+    flat = x.reshape(-1)
+    if flat.dtype == np.bool_:
+        bits = flat.astype(np.uint64)
+    else:
+        bits = flat.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[flat.dtype.itemsize])
+        bits = bits.astype(np.uint64)
+        bits = (bits ^ (bits >> np.uint64(32))) & np.uint64(0xFFFFFFFF)
+    index = np.arange(flat.size, dtype=np.uint64)
+    checksum = int(np.sum(bits * (np.uint64(2) * index + np.uint64(1))) % (1 << 32))
+    v = flat.astype(np.float32)
+    return (checksum, int(np.sum(v == 0)), int(np.sum(~np.isfinite(v))),
+            float(np.max(np.abs(v))) if np.all(np.isfinite(v)) else None)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jax.numpy.bfloat16, np.float16, np.int32, np.bool_])
+@pytest.mark.parametrize("shape", [(1,), (3, 5, 7), (64, 24), (1 << 16) + 3, (3, 512, 256)])
+def test_statistics_are_exactly_as_defined(dtype, shape):
+    """Every output size (powers of two, odd sizes, a multiple of three) and dtype: the checksum,
+    zero and non-finite counts and abs-max exactly as defined, alone and batched; the zero share,
+    mean and rms up to float32 rounding (abs-max, mean and rms not finite where the output holds
+    a non-finite value)."""
+    rng = np.random.default_rng(sum(np.atleast_1d(shape)))
+    x = np.asarray(rng.standard_normal(shape) * 3).astype(dtype)
+    if dtype != np.bool_:
+        x.reshape(-1)[::5] = 0
+    if np.issubdtype(x.dtype, np.floating) or dtype == jax.numpy.bfloat16:
+        x.reshape(-1)[1:x.size:97] = np.inf
+        x.reshape(-1)[2:x.size:89] = np.nan
+    alone = jax.device_get(jax.jit(site_stats)(jax.numpy.asarray(x)))
+    batched = jax.device_get(jax.jit(batch_stats)([jax.numpy.asarray(x)]))
+    checksum, zeros, nonfinite, absmax = _defined(x)
+    v = x.reshape(-1).astype(np.float64)
+    for got, i in ((alone, ()), (batched, 0)):
+        assert int(got.checksum[i]) == checksum
+        assert int(got.nonfinite[i]) == nonfinite
+        assert round(float(got.zeros[i]) * x.size) == zeros
+        if nonfinite:
+            assert not np.isfinite([got.absmax[i], got.mean[i], got.rms[i]]).any()
+        else:
+            assert float(got.absmax[i]) == absmax
+            np.testing.assert_allclose(got.mean[i], v.mean(), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(got.rms[i], np.sqrt(np.mean(v * v)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1024, 256), (64, 64, 64)])
+def test_the_statistics_of_a_large_output_copy_none_of_it(shape):
+    """The statistics of a site output inside a scan (`site_stats`, every iteration) take less
+    scratch memory than half the output: XLA:CPU would otherwise write the weighted bit patterns
+    and the zero mask out at full size before reducing them (twice the output, 0.13 ms per
+    262,144 elements against 0.02)."""
+    x = jax.numpy.ones(shape, jax.numpy.float32)
+    compiled = jax.jit(site_stats).lower(x).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < x.nbytes / 2
+
+
 @pytest.mark.parametrize("n, kept", [(0, 0), (1, 1), (32, 1), (255, 1), (256, 2), (640, 5),
                                      (8191, 63), (8192, 64), (10 ** 6, 64)])
 def test_the_sample_scales_with_the_output_and_stays_under_one_percent(n, kept):

@@ -212,20 +212,64 @@ def _layout(sizes: Sequence[int], sampling: Sampling) -> _Layout:
                    offsets=offsets, fold=fold, sample=sample.astype(np.int32))
 
 
-_NONFINITE = 4096.0  # > BLOCK: a block's zero and non-finite counts share one exact float32 sum
-
-
-def _row_sums(values: jax.Array, offsets: jax.Array):
-    """Per block of [blocks, BLOCK]: sum, sum of squares, abs-max, zero and non-finite counts,
-    and sum of bit patterns times (2 i + 1), i the element's index in its output (`offsets`:
-    each block's first). Five plain reductions: XLA:CPU vectorises each, not a variadic one."""
-    bits = lax.bitcast_convert_type(values, jnp.uint32)
-    i = lax.broadcasted_iota(jnp.uint32, values.shape, 1) + offsets[:, None]
-    counts = jnp.sum(jnp.where(values == 0, 1.0, 0.0)
-                     + jnp.where(jnp.isfinite(values), 0.0, _NONFINITE), axis=1)
+def _row_sums(values: jax.Array, offsets: jax.Array, bits: Optional[jax.Array] = None):
+    """Per block of [blocks, BLOCK] float32 `values`: sum, sum of squares and abs-max (float
+    reductions XLA:CPU vectorises), and the exact counts and checksum (`_exact_counts`) of
+    `bits`, the outputs' own bit patterns (None: `values` are them)."""
+    if bits is None:
+        bits = lax.bitcast_convert_type(values, jnp.uint32)
     return (jnp.sum(values, axis=1), jnp.sum(values * values, axis=1),
-            jnp.max(jnp.abs(values), axis=1), counts,
-            jnp.sum(bits * (i * jnp.uint32(2) + jnp.uint32(1)), axis=1, dtype=jnp.uint32))
+            jnp.max(jnp.abs(values), axis=1), *_exact_counts(values, bits, offsets))
+
+
+LANES = 256
+"""Widest minor axis of the view `_exact_counts` reduces in groups."""
+
+GROUP = 8
+"""Most elements per lane that each partial sum of `_exact_counts` adds."""
+
+# a partial of <= GROUP elements counts zeros below this bit and non-finite values above it
+_NONFINITE_SHIFT = 16
+
+
+def _exact_counts(values: jax.Array, bits: jax.Array, offsets: jax.Array):
+    """(zero count int32, non-finite count int32, checksum uint32) of each row of [R, L] arrays:
+    `values` (the outputs as float32), `bits` (their own bit patterns, `_bits32`), `offsets`
+    (uint32 [R]: the index of each row's first element in its output). The checksum is a sum
+    modulo 2**32, the same in any order.
+
+    XLA:CPU turns a long integer reduction into a tree of windowed reductions over a full-size
+    temporary (the weighted bit patterns, the masks): 0.13 ms for 262,144 elements, about four
+    float sums. Here each row is viewed as [L // (G * W), G, W] (W and G the largest powers of
+    two up to `LANES` and `GROUP` that fit L), the G elements of a lane summed first (short enough
+    to stay one fused pass with no temporary of the row's size; zeros and non-finite values in
+    one integer code), and the partials, G times fewer, summed after an optimization barrier,
+    which keeps XLA from merging the two sums back into one long reduction: 0.02 ms."""
+    R, L = values.shape
+    w = _power_of_two_dividing(L, LANES)
+    g = _power_of_two_dividing(L // w, GROUP)
+    shape = (R, L // (g * w), g, w)
+    v, b = values.reshape(shape), bits.reshape(shape)
+    index = (offsets[:, None, None, None]
+             + lax.broadcasted_iota(jnp.uint32, shape, 1) * jnp.uint32(g * w)
+             + lax.broadcasted_iota(jnp.uint32, shape, 2) * jnp.uint32(w)
+             + lax.broadcasted_iota(jnp.uint32, shape, 3))
+    code = jnp.where(v == 0, 1, 0) + jnp.where(jnp.isfinite(v), 0, 1 << _NONFINITE_SHIFT)
+    codes, weighted = lax.optimization_barrier((
+        jnp.sum(code, axis=2, dtype=jnp.int32),
+        jnp.sum(b * (index * jnp.uint32(2) + jnp.uint32(1)), axis=2, dtype=jnp.uint32)))
+    low = (1 << _NONFINITE_SHIFT) - 1
+    return (jnp.sum(codes & low, axis=(1, 2), dtype=jnp.int32),
+            jnp.sum(codes >> _NONFINITE_SHIFT, axis=(1, 2), dtype=jnp.int32),
+            jnp.sum(weighted, axis=(1, 2), dtype=jnp.uint32))
+
+
+def _power_of_two_dividing(n: int, most: int) -> int:
+    """The largest power of two <= `most` that divides `n` (1 for odd n)."""
+    p = most
+    while n % p:
+        p //= 2
+    return p
 
 
 def batch_stats(xs: Sequence[jax.Array], sampling: Sampling = Sampling()) -> SiteStats:
@@ -233,9 +277,9 @@ def batch_stats(xs: Sequence[jax.Array], sampling: Sampling = Sampling()) -> Sit
     and `sample` the samples concatenated in order. Jittable, and a handful of kernels whatever
     the number of outputs: outputs under `ALONE` elements are padded to whole blocks and
     concatenated (float32 ones apart from the others, whose bit patterns need a buffer of their
-    own), five reductions go over the blocks and a gather folds each output's blocks (the
-    checksum exactly: each element is weighted by its index in its output); larger ones are
-    reduced where they are (`site_stats`)."""
+    own), a few reductions go over the blocks (`_row_sums`) and a gather folds each output's
+    blocks (the checksum exactly: each element is weighted by its index in its output); larger
+    ones are reduced where they are (`site_stats`)."""
     rest = [i for i, x in enumerate(xs) if x.size < ALONE]
     groups = [g for g in ([i for i in rest if xs[i].dtype == jnp.float32],
                           [i for i in rest if xs[i].dtype != jnp.float32]) if g]
@@ -283,23 +327,19 @@ def _blocked_stats(xs: Sequence[jax.Array], sampling: Sampling) -> SiteStats:
         return jnp.concatenate(pieces).reshape(-1, BLOCK)
 
     values = buffer([f.astype(jnp.float32) for f in flats], jnp.float32)
-    s, q, m, c, checksum = _row_sums(values, jnp.asarray(L.offsets))
-    if xs[0].dtype != jnp.float32:  # the bit patterns of the output's own dtype
-        bits = buffer([_bits32(f) for f in flats], jnp.uint32)
-        i = lax.broadcasted_iota(jnp.uint32, bits.shape, 1) + jnp.asarray(L.offsets)[:, None]
-        checksum = jnp.sum(bits * (i * jnp.uint32(2) + jnp.uint32(1)), axis=1, dtype=jnp.uint32)
-    nf = jnp.floor(c / _NONFINITE)
-    z = c - nf * _NONFINITE
+    # the bit patterns of the outputs' own dtype, where it is not float32
+    bits = None if xs[0].dtype == jnp.float32 else buffer([_bits32(f) for f in flats], jnp.uint32)
+    s, q, m, z, nf, checksum = _row_sums(values, jnp.asarray(L.offsets), bits)
     fold = jnp.asarray(L.fold)
 
     def per_output(partial, reduce):
         return reduce(jnp.concatenate([partial, jnp.zeros((1,), partial.dtype)])[fold], axis=1)
 
     n = jnp.asarray(L.sizes, jnp.float32)
-    return SiteStats(nonfinite=per_output(nf.astype(jnp.int32), jnp.sum),
+    return SiteStats(nonfinite=per_output(nf, jnp.sum),
                      absmax=per_output(m, jnp.max),
                      mean=per_output(s, jnp.sum) / n, rms=jnp.sqrt(per_output(q, jnp.sum) / n),
-                     zeros=(per_output(z.astype(jnp.int32), jnp.sum)
+                     zeros=(per_output(z, jnp.sum)
                             - jnp.asarray(L.pads)).astype(jnp.float32) / n,
                      checksum=per_output(checksum, jnp.sum).astype(jnp.uint32),
                      sample=values.reshape(-1)[jnp.asarray(L.sample)])
@@ -307,21 +347,15 @@ def _blocked_stats(xs: Sequence[jax.Array], sampling: Sampling) -> SiteStats:
 
 def site_stats(x: jax.Array, sampling: Sampling = Sampling()) -> SiteStats:
     """The `SiteStats` of one output `x` (jittable), computed where it is (no copy): what a site
-    inside a `scan` records per iteration. Four reductions over `x` (sum, sum of squares,
-    abs-max and zeros, checksum); the non-finite count takes a fifth only when the sums are not
-    finite."""
+    inside a `scan` records per iteration. Four passes over `x`: sum, sum of squares, abs-max,
+    and the exact counts with the checksum (`_exact_counts`)."""
     flat = x.reshape(-1)
     n = flat.size
     v = flat.astype(jnp.float32)
-    total, squares = jnp.sum(v), jnp.sum(v * v)
-    # zeros_like: inside `shard_map` both branches vary over the mesh alike
-    nonfinite = lax.cond(jnp.isfinite(total) & jnp.isfinite(squares),
-                         lambda: jnp.zeros_like(total, jnp.int32),
-                         lambda: jnp.sum(~jnp.isfinite(v), dtype=jnp.int32))
-    weights = jnp.arange(n, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
-    checksum = jnp.sum(_bits32(flat) * weights, dtype=jnp.uint32)
-    return SiteStats(nonfinite=nonfinite, absmax=jnp.max(jnp.abs(v)), mean=total / n,
-                     rms=jnp.sqrt(squares / n), zeros=jnp.sum(jnp.where(v == 0, 1.0, 0.0)) / n,
+    zeros, nonfinite, checksum = (c[0] for c in _exact_counts(
+        v[None], _bits32(flat)[None], jnp.zeros((1,), jnp.uint32)))
+    return SiteStats(nonfinite=nonfinite, absmax=jnp.max(jnp.abs(v)), mean=jnp.sum(v) / n,
+                     rms=jnp.sqrt(jnp.sum(v * v) / n), zeros=zeros.astype(jnp.float32) / n,
                      checksum=checksum, sample=v[jnp.asarray(sample_indices(n, sampling))])
 
 
