@@ -16,6 +16,7 @@ from peat_jax._src.analyzer.contract import (GridFit, Moments, Options, RatioSta
                                              SampleHistograms, SampleQuantiles, SampleStats, view2d)
 from peat_jax._src.analyzer.elements import Elements, Local, Scales, elements, i32, local_scale_flat
 from peat_jax._src.formats import FloatFormat
+from peat_jax._src.sums import row_sums
 
 
 _LARGE_REL = 1.0 / 16
@@ -127,11 +128,11 @@ def bit_counts(words):
     Eight bits at a time (SWAR): shifted right by s and masked to bit 0 of each byte, a word's
     bytes hold its bits s, s + 8, s + 16, s + 24, and the sum of 128 such words holds each
     bit's count in its own byte, without carries. That is 8 shifts and masks per word, not 32,
-    summed along the minor axis (XLA:CPU vectorises row reductions)."""
+    summed along the minor axis (`sums.row_sums`)."""
     s, n = words.shape
     words = jnp.pad(words, ((0, 0), (0, -n % _BLOCK))).reshape(s, 1, -1, _BLOCK)
     shifts = jnp.arange(8, dtype=jnp.uint32)[None, :, None, None]
-    blocks = jnp.sum((words >> shifts) & jnp.uint32(_LANES), axis=3, dtype=jnp.uint32)
+    blocks, = row_sums([(words >> shifts) & jnp.uint32(_LANES)])
     lanes = (blocks[..., None] >> (jnp.uint32(8) * jnp.arange(4, dtype=jnp.uint32))) & 0xFF
     per_shift = jnp.sum(lanes.astype(jnp.int32), axis=2)        # [S, shift s, byte k]
     return jnp.swapaxes(per_shift, 1, 2).reshape(s, 32)        # column 8 k + s
@@ -193,7 +194,7 @@ def _grid_fit(el: Elements, f: FloatFormat) -> GridFit:
     grid_ulp = jnp.exp2(-ks)[:, None] * el.ulp_dist.astype(jnp.float32)[None, :]
     mf = (el.mismatched & el.finite)[None, :]
     return GridFit(max_ulp=jnp.max(jnp.where(mf, grid_ulp, 0), axis=1),
-                   beyond_half=jnp.sum(i32(mf & (grid_ulp > _HALF_GRID_ULP)), axis=1))
+                   beyond_half=row_sums([i32(mf & (grid_ulp > _HALF_GRID_ULP))])[0])
 
 
 class Gathered(NamedTuple):
