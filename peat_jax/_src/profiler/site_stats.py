@@ -66,10 +66,10 @@ from jax import lax
 from peat_jax._src import _interpreter as _ip
 from peat_jax._src.errors import PeatError
 from peat_jax._src.profiler.rundir import atomic_write, atomic_write_json
-from peat_jax._src.sums import row_sums
 from peat_jax._src.sites import Site, Traced, Tracer, reduction_length
 from peat_jax._src.substitute import (Candidate, Substitution, fault_key, make_rules, resolve,
                                       run_rules)
+from peat_jax._src.sums import row_sums
 
 
 SAMPLE_SIZE = 64
