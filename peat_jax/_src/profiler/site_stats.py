@@ -213,7 +213,7 @@ def _layout(sizes: Sequence[int], sampling: Sampling) -> _Layout:
                    offsets=offsets, fold=fold, sample=sample.astype(np.int32))
 
 
-def _row_sums(values: jax.Array, offsets: jax.Array, bits: Optional[jax.Array] = None):
+def _block_sums(values: jax.Array, offsets: jax.Array, bits: Optional[jax.Array] = None):
     """Per block of [blocks, BLOCK] float32 `values`: sum, sum of squares and abs-max (float
     reductions XLA:CPU vectorises), and the exact counts and checksum (`_exact_counts`) of
     `bits`, the outputs' own bit patterns (None: `values` are them)."""
@@ -239,7 +239,7 @@ def batch_stats(xs: Sequence[jax.Array], sampling: Sampling = Sampling()) -> Sit
     and `sample` the samples concatenated in order. Jittable, and a handful of kernels whatever
     the number of outputs: outputs under `ALONE` elements are padded to whole blocks and
     concatenated (float32 ones apart from the others, whose bit patterns need a buffer of their
-    own), a few reductions go over the blocks (`_row_sums`) and a gather folds each output's
+    own), a few reductions go over the blocks (`_block_sums`) and a gather folds each output's
     blocks (the checksum exactly: each element is weighted by its index in its output); larger
     ones are reduced where they are (`site_stats`)."""
     rest = [i for i, x in enumerate(xs) if x.size < ALONE]
@@ -291,7 +291,7 @@ def _blocked_stats(xs: Sequence[jax.Array], sampling: Sampling) -> SiteStats:
     values = buffer([f.astype(jnp.float32) for f in flats], jnp.float32)
     # the bit patterns of the outputs' own dtype, where it is not float32
     bits = None if xs[0].dtype == jnp.float32 else buffer([_bits32(f) for f in flats], jnp.uint32)
-    s, q, m, z, nf, checksum = _row_sums(values, jnp.asarray(L.offsets), bits)
+    s, q, m, z, nf, checksum = _block_sums(values, jnp.asarray(L.offsets), bits)
     fold = jnp.asarray(L.fold)
 
     def per_output(partial, reduce):
