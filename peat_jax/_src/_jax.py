@@ -504,14 +504,11 @@ def gpu_target(device_kind: str) -> Iterator[None]:
 
 def pallas_calls(jaxpr: Any) -> Iterator[Any]:
     """Every `pallas_call` equation in `jaxpr` and the jaxprs nested in its equations' params
-    (not inside a kernel body)."""
-    seen: set[int] = set()
+    (not inside a kernel body), once per call site: a jitted function's jaxpr called from two
+    equations (the same shapes twice) yields its kernels twice."""
     todo = [jaxpr]
     while todo:
         j = jaxpr_body(todo.pop())
-        if id(j) in seen:
-            continue
-        seen.add(id(j))
         for eqn in j.eqns:
             if eqn.primitive.name == "pallas_call":
                 yield eqn

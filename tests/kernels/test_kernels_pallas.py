@@ -13,6 +13,7 @@ float64 by benchmarks/bench_kernels.py: e.g. softmax bfloat16 backward 2.6e-2 fo
 from __future__ import annotations
 
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -198,6 +199,36 @@ def _selected_error(fn, subs, *args, **kw):
     with pytest.raises(peat.PeatError) as e:
         peat.substitute(fn, subs, **kw).selected(*args)  # resolves only: nothing runs
     return str(e.value)
+
+
+_TWICE = {   # a bundled kernel's functional form, its arguments, its jitted Pallas function
+    "matmul": (pk.matmul, ((8, 16), (16, 4)), "_matmul3"),
+    "softmax": (pk.softmax, ((6, 10),), "_"),
+    "layer_norm": (pk.layer_norm, ((6, 10), (10,), (10,)), "_"),
+    "attention": (pk.attention, ((1, 8, 2, 4),) * 3, "_"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_TWICE))
+def test_a_program_lowers_a_bundled_kernel_once_per_shape(name):
+    """A program that calls a kernel twice on one shape (a model's sites of one shape; a check's
+    plain forward beside its VJP) lowers its Pallas calls once, a function called twice. (The
+    plain and the VJP's forward share it where the forward returns nothing else: layer norm's
+    and attention's also return their residuals, which the plain forward drops, and jax prunes
+    that call apart.)"""
+    fn, shapes, prefix = _TWICE[name]
+    args = [_normal(i, s, jnp.float32) for i, s in enumerate(shapes)]
+
+    def program(*args):
+        out, vjp = jax.vjp(fn, *args)
+        return fn(*args) + 2 * fn(*args), out, vjp(jnp.ones_like(out))
+
+    text = jax.jit(program).lower(*args).as_text()
+    pallas = r"(?:_matmul3|_forward|_backward)(?:_\d+)?"
+    defined = re.findall(rf"func\.func private @({pallas})\(", text)
+    called = re.findall(rf"call @({pallas})\(", text)
+    assert defined and all(d.startswith(prefix) for d in defined), defined
+    assert len(defined) < len(called) and set(defined) == set(called), (defined, called)
 
 
 def test_sites_a_kernel_cannot_serve_fail_at_substitution():

@@ -1,7 +1,9 @@
 """Bundled Pallas kernels as `peat.Kernel`s: interpreted on CPU, compiled on GPU.
 
 Each kernel is a `jax.custom_vjp` whose forward and backward are Pallas calls with a grid and
-block specs, so it can live inside a differentiated training step. Factories:
+block specs, so it can live inside a differentiated training step; its Pallas calls are one
+jitted function per shapes (`interpret.lowered_once`), so a program that calls it twice on the
+same shapes lowers them once. Factories:
 
 * `pallas_matmul(block_m, block_n, block_k)`: any `dot_general` site;
 * `pallas_softmax()`: a region `softmax(x)` over the last axis;

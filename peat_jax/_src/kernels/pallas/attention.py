@@ -211,6 +211,7 @@ def _specs(g: _Geometry):
     return blk, (lambda n, f: pl.BlockSpec((None, None, n), f))
 
 
+@_interp.lowered_once
 def _forward(q, k, v, cfg: _Config):
     g = _geometry(q, k, cfg)
     blk, row = _specs(g)
@@ -233,6 +234,7 @@ def _forward(q, k, v, cfg: _Config):
     return o[:, :g.q_len, :, :g.dim], m, l
 
 
+@_interp.lowered_once
 def _backward(q, k, v, m, l, do, cfg: _Config):
     g = _geometry(q, k, cfg)
     blk, row = _specs(g)

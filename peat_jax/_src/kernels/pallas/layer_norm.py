@@ -85,6 +85,7 @@ def _pad1(v: jax.Array, n_p: int) -> jax.Array:
     return jnp.pad(v, (0, n_p - v.shape[0]))
 
 
+@_interp.lowered_once
 def _forward(x, scale, bias, cfg: _Config):
     """(y, mean[rows_p], rstd[rows_p]); y has the promoted dtype of x, scale and bias."""
     n, rows, br, rows_p, n_p = _geometry(x, cfg)
@@ -104,6 +105,7 @@ def _forward(x, scale, bias, cfg: _Config):
     return y[:rows, :n].reshape(x.shape), mean, rstd
 
 
+@_interp.lowered_once
 def _backward(x, scale, g, mean, rstd, cfg: _Config):
     """(dx, dscale, dbias) in float32 partial sums reduced here."""
     n, rows, br, rows_p, n_p = _geometry(x, cfg)

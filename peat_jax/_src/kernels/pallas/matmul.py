@@ -61,6 +61,7 @@ def _round_up(n: int, block: int) -> int:
     return -(-int(n) // block) * block
 
 
+@_interp.lowered_once
 def _matmul3(a: jax.Array, b: jax.Array, cfg: _Config) -> jax.Array:
     """The Pallas call on `[B, M, K] x [B, K, N]`; returns float32 `[B, M, N]`."""
     nb, m, k = a.shape

@@ -73,6 +73,7 @@ def _call(body, n_in: int, x2, others, dtype, rows_p, n_p, br, n, cfg: _Config, 
         checks=cfg.checks)(x2, *others)
 
 
+@_interp.lowered_once
 def _forward(x: jax.Array, cfg: _Config) -> jax.Array:
     if x.size == 0:
         return x
@@ -81,6 +82,7 @@ def _forward(x: jax.Array, cfg: _Config) -> jax.Array:
     return y[:rows, :n].reshape(x.shape)
 
 
+@_interp.lowered_once
 def _backward(y: jax.Array, g: jax.Array, cfg: _Config) -> jax.Array:
     if y.size == 0:
         return jnp.zeros_like(y)
