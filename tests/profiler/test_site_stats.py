@@ -239,6 +239,34 @@ def test_batched_statistics_are_each_outputs_own():
     assert len(set(sums)) == 3  # a flipped sign bit and two swapped elements both change it
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jax.numpy.bfloat16])
+def test_batched_sums_keep_each_outputs_non_finite_values_to_itself(dtype):
+    """Small outputs share one buffer and one reduction: an output's NaN or infinity gives its
+    own mean and rms the value IEEE sums give (NaN with a NaN or both infinities, else the
+    infinity; inf where the squares overflow) and leaves every other output's finite."""
+    rng = np.random.default_rng(1)
+    cases = {"nan": [np.nan], "+inf": [np.inf], "-inf": [-np.inf], "both": [np.inf, -np.inf],
+             "overflow": [3e38]}
+    xs = []
+    for i, (name, specials) in enumerate(cases.items()):
+        x = rng.standard_normal(700 + 100 * i).astype(np.float32)
+        x[[5 + 7 * j for j in range(len(specials))]] = specials
+        xs += [x, rng.standard_normal(300).astype(np.float32)]    # a finite neighbour each
+    xs = [jax.numpy.asarray(x.astype(dtype)) for x in xs]
+    got = jax.device_get(jax.jit(batch_stats)(xs))
+    for i, x in enumerate(xs):
+        v = np.asarray(x, np.float32).astype(np.float64)
+        with np.errstate(all="ignore"):
+            mean = np.float32(np.sum(v) / v.size)
+            rms = np.float32(np.sqrt(np.sum(np.float32(v) ** 2, dtype=np.float64) / v.size))
+        for k, want in (("mean", mean), ("rms", rms)):
+            have = getattr(got, k)[i]
+            if np.isfinite(want):
+                np.testing.assert_allclose(have, want, rtol=1e-5, err_msg=f"{k} of output {i}")
+            else:
+                assert str(have) == str(want), (k, i, have, want)
+
+
 def _defined(x: np.ndarray) -> tuple[int, int, int, float]:
     """(checksum, zero count, non-finite count, abs-max or None where the output holds a
     non-finite value) of an output as the module docstring defines them, in NumPy."""

@@ -239,8 +239,9 @@ def batch_stats(xs: Sequence[jax.Array], sampling: Sampling = Sampling()) -> Sit
     and `sample` the samples concatenated in order. Jittable, and a handful of kernels whatever
     the number of outputs: outputs under `ALONE` elements are padded to whole blocks and
     concatenated (float32 ones apart from the others, whose bit patterns need a buffer of their
-    own), a few reductions go over the blocks (`_block_sums`) and a gather folds each output's
-    blocks (the checksum exactly: each element is weighted by its index in its output); larger
+    own), a few reductions go over the blocks (`_block_sums`), one matrix product folds each
+    output's blocks' sums (`_fold_sums`; the checksum exactly: each element is weighted by its
+    index in its output) and a gather their abs-max; larger
     ones are reduced where they are (`site_stats`)."""
     rest = [i for i, x in enumerate(xs) if x.size < ALONE]
     groups = [g for g in ([i for i in rest if xs[i].dtype == jnp.float32],
@@ -293,18 +294,41 @@ def _blocked_stats(xs: Sequence[jax.Array], sampling: Sampling) -> SiteStats:
     bits = None if xs[0].dtype == jnp.float32 else buffer([_bits32(f) for f in flats], jnp.uint32)
     s, q, m, z, nf, checksum = _block_sums(values, jnp.asarray(L.offsets), bits)
     fold = jnp.asarray(L.fold)
-
-    def per_output(partial, reduce):
-        return reduce(jnp.concatenate([partial, jnp.zeros((1,), partial.dtype)])[fold], axis=1)
-
+    absmax = jnp.max(jnp.concatenate([m, jnp.zeros((1,), m.dtype)])[fold], axis=1)
+    sums = _fold_sums(L, s, q, z, nf, checksum)
     n = jnp.asarray(L.sizes, jnp.float32)
-    return SiteStats(nonfinite=per_output(nf, jnp.sum),
-                     absmax=per_output(m, jnp.max),
-                     mean=per_output(s, jnp.sum) / n, rms=jnp.sqrt(per_output(q, jnp.sum) / n),
-                     zeros=(per_output(z, jnp.sum)
-                            - jnp.asarray(L.pads)).astype(jnp.float32) / n,
-                     checksum=per_output(checksum, jnp.sum).astype(jnp.uint32),
-                     sample=values.reshape(-1)[jnp.asarray(L.sample)])
+    return SiteStats(nonfinite=sums[3], absmax=absmax, mean=sums[0] / n, rms=jnp.sqrt(sums[1] / n),
+                     zeros=(sums[2] - jnp.asarray(L.pads)).astype(jnp.float32) / n,
+                     checksum=sums[4], sample=values.reshape(-1)[jnp.asarray(L.sample)])
+
+
+def _fold_sums(L: _Layout, s, q, z, nf, checksum):
+    """Each output's sums of its blocks' partials (float32 `s`, `q`; int32 `z`, `nf`; uint32
+    `checksum`), as one float32 matrix product with the outputs' 0/1 block membership: one
+    kernel, where a gather and a tree of reductions per statistic took about fifteen.
+
+    The products see only finite values (a 0 * NaN would reach every output): a float sum's
+    non-finite partials are counted apart, by kind, and give it the value IEEE addition would
+    (NaN with a NaN or with both infinities, else the infinity). The integer sums are exact:
+    the counts are below 2**24 (an output under `ALONE` elements), and the checksum goes as its
+    16-bit halves, each summed over at most `ALONE // BLOCK` blocks (< 2**23), then joined
+    modulo 2**32."""
+    member = np.zeros((len(L.sizes), len(L.offsets)), np.float32)
+    for i, (f, k) in enumerate(zip(L.first_block, -(-L.sizes // BLOCK))):
+        member[i, f:f + k] = 1
+    columns = [z, nf, checksum & jnp.uint32(0xFFFF), checksum >> jnp.uint32(16)]
+    for x in (s, q):
+        columns += [jnp.where(jnp.isfinite(x), x, 0), jnp.isnan(x), x == jnp.inf, x == -jnp.inf]
+    parts = jnp.stack([c.astype(jnp.float32) for c in columns], axis=1)
+    out = jnp.dot(jnp.asarray(member), parts, precision=lax.Precision.HIGHEST)
+
+    def ieee(finite, nan, pos, neg):
+        return jnp.where((nan > 0) | ((pos > 0) & (neg > 0)), jnp.nan,
+                         jnp.where(pos > 0, jnp.inf, jnp.where(neg > 0, -jnp.inf, finite)))
+
+    joined = out[:, 2].astype(jnp.uint32) + (out[:, 3].astype(jnp.uint32) << jnp.uint32(16))
+    return (ieee(*(out[:, 4 + j] for j in range(4))), ieee(*(out[:, 8 + j] for j in range(4))),
+            out[:, 0].astype(jnp.int32), out[:, 1].astype(jnp.int32), joined)
 
 
 def site_stats(x: jax.Array, sampling: Sampling = Sampling()) -> SiteStats:
