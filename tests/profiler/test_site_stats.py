@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import peat_jax as peat
+import peat_jax._src.profiler.site_stats as site_stats_module
 from peat_jax import models
 from peat_jax._src import cli
 from peat_jax._src.profiler.golden import profile, restore
@@ -239,11 +240,14 @@ def test_batched_statistics_are_each_outputs_own():
     assert len(set(sums)) == 3  # a flipped sign bit and two swapped elements both change it
 
 
+@pytest.mark.parametrize("fold_max", [site_stats_module.FOLD_MAX, 0], ids=["product", "gathered"])
 @pytest.mark.parametrize("dtype", [np.float32, jax.numpy.bfloat16])
-def test_batched_sums_keep_each_outputs_non_finite_values_to_itself(dtype):
-    """Small outputs share one buffer and one reduction: an output's NaN or infinity gives its
-    own mean and rms the value IEEE sums give (NaN with a NaN or both infinities, else the
-    infinity; inf where the squares overflow) and leaves every other output's finite."""
+def test_batched_sums_keep_each_outputs_non_finite_values_to_itself(dtype, fold_max, monkeypatch):
+    """Small outputs share one buffer and one reduction (a matrix product, or gathers where
+    there are many): an output's NaN or infinity gives its own mean and rms the value IEEE sums
+    give (NaN with a NaN or both infinities, else the infinity; inf where the squares overflow)
+    and leaves every other output's finite; the counts and checksum are exact either way."""
+    monkeypatch.setattr(site_stats_module, "FOLD_MAX", fold_max)
     rng = np.random.default_rng(1)
     cases = {"nan": [np.nan], "+inf": [np.inf], "-inf": [-np.inf], "both": [np.inf, -np.inf],
              "overflow": [3e38]}
@@ -255,6 +259,9 @@ def test_batched_sums_keep_each_outputs_non_finite_values_to_itself(dtype):
     xs = [jax.numpy.asarray(x.astype(dtype)) for x in xs]
     got = jax.device_get(jax.jit(batch_stats)(xs))
     for i, x in enumerate(xs):
+        checksum, zeros, nonfinite, _ = _defined(np.asarray(x))
+        assert (got.checksum[i], got.nonfinite[i]) == (checksum, nonfinite)
+        assert got.zeros[i] == np.float32(zeros) / np.float32(x.size)
         v = np.asarray(x, np.float32).astype(np.float64)
         with np.errstate(all="ignore"):
             mean = np.float32(np.sum(v) / v.size)
