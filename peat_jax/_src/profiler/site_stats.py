@@ -334,9 +334,10 @@ def _fold_sums(L: _Layout, s, q, z, nf, checksum):
     the counts are below 2**24 (an output under `ALONE` elements), and the checksum goes as its
     16-bit halves, each summed over at most `ALONE // BLOCK` blocks (< 2**23), then joined
     modulo 2**32."""
-    member = np.zeros((len(L.sizes), len(L.offsets)), np.float32)
-    for i, (f, k) in enumerate(zip(L.first_block, -(-L.sizes // BLOCK))):
-        member[i, f:f + k] = 1
+    # each output's blocks as `_layout` folds them (its padding: the one extra column, dropped)
+    member = np.zeros((len(L.sizes), len(L.offsets) + 1), np.float32)
+    member[np.arange(len(L.sizes))[:, None], L.fold] = 1
+    member = member[:, :-1]
     columns = [z, nf, checksum & jnp.uint32(0xFFFF), checksum >> jnp.uint32(16)]
     for x in (s, q):
         columns += [jnp.where(jnp.isfinite(x), x, 0), jnp.isnan(x), x == jnp.inf, x == -jnp.inf]
