@@ -266,6 +266,33 @@ def test_ratio_permutation_and_transpose():
     assert s.permutation.is_permutation and not s.permutation.is_transpose
 
 
+@pytest.mark.parametrize("shape", [SHAPE, (96, 1024)])   # in a bucket, and as it is
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
+def test_the_largest_errors_are_exact_beside_rare_values(dtype, shape):
+    """The whole-leaf pass marks a rare element (subnormal or non-finite, in either operand) in
+    place of its ULP distance, and the rare pass takes the largest distance again: an equal
+    pair of subnormals, NaNs or infinities beside the errors leaves the largest ULP distance as
+    it was (and a subnormal pair the largest floor ratio too)."""
+    g = _normal(11, shape, np.float32)
+    g += np.copysign(np.float32(0.5), g)    # no subnormal of its own
+    c = (g * (1 + 1e-2 * _normal(12, shape))).astype(dtype)
+    g = g.astype(dtype)
+    g[0, 0] = c[0, 0] = 0
+    base = analyze(c, g)
+    assert base.errors.max_ulp == _ulp_np(c, g).max() > 1 and base.counts.subnormal_golden == 0
+    for rare in (ml_dtypes.finfo(dtype).smallest_subnormal, np.nan, -np.inf):
+        g2, c2 = g.copy(), c.copy()
+        g2[0, 0] = c2[0, 0] = rare
+        s = analyze(c2, g2)
+        assert s.errors.max_ulp == base.errors.max_ulp, rare
+        if rare == ml_dtypes.finfo(dtype).smallest_subnormal:
+            assert s.counts.subnormal_golden == 1 and s.counts.subnormal_candidate == 1
+            assert s.errors.max_floor_ratio == base.errors.max_floor_ratio
+            assert s.counts.significant == base.counts.significant
+        else:
+            assert s.counts.nonfinite_golden == 1 and s.counts.nonfinite_candidate == 1
+
+
 def test_large_leaf_is_sampled_but_counts_are_exact():
     g = np.random.default_rng(6).standard_normal((300, 400)).astype(np.float32)  # 120k > 16k
     c = _flip(_flip(_flip(g, 5, 30), 60_001, 29), 119_999, 28)
