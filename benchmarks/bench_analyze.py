@@ -181,7 +181,7 @@ test(67, 45, 33, 0)
 t0 = time.perf_counter()
 test(40, 24, 56, 1)
 t1 = time.perf_counter()
-test(43, 27, 59, 2)   # the check's odd_shape variant of the second shape (each size d -> d + 3)
+test(43, 27, 59, 2)   # the check's odd_shape variant of the second shape (here each d -> d + 3)
 print(json.dumps({"second_shape_s": t1 - t0, "odd_shape_s": time.perf_counter() - t1}))
 """
 

@@ -241,8 +241,8 @@ def batch_stats(xs: Sequence[jax.Array], sampling: Sampling = Sampling()) -> Sit
     concatenated (float32 ones apart from the others, whose bit patterns need a buffer of their
     own), a few reductions go over the blocks (`_block_sums`), one matrix product folds each
     output's blocks' sums (`_fold_sums`; the checksum exactly: each element is weighted by its
-    index in its output) and a gather their abs-max; larger
-    ones are reduced where they are (`site_stats`)."""
+    index in its output) and a gather their abs-max; larger ones are reduced where they are
+    (`site_stats`)."""
     rest = [i for i, x in enumerate(xs) if x.size < ALONE]
     groups = [g for g in ([i for i in rest if xs[i].dtype == jnp.float32],
                           [i for i in rest if xs[i].dtype != jnp.float32]) if g]
