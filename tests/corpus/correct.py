@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -114,7 +115,9 @@ def torch_layer_norm():
 
 
 def jax_softmax(x):
-    from jax.experimental.pallas.ops.gpu import softmax as shipped
+    with warnings.catch_warnings():   # deprecated since jax 0.11 (for tokamax), still shipped
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import softmax as shipped
     return shipped.softmax(x, interpret=True)
 
 
