@@ -13,7 +13,8 @@ from peat_jax._src.analyzer import analyze
 from peat_jax._src.analyzer.noise import distribution_ok
 from peat_jax._src.detector import (CHECK_MODELS, MODELS, PASSING, RULES, Diagnosis,
                                     Float64Evidence, beyond_training_range, bitwise_equal,
-                                    by_float64, detect, only_near_overflow, only_on_odd_shapes)
+                                    by_float64, detect, only_near_overflow, only_on_odd_shapes,
+                                    swamped_by_outliers)
 from peat_jax._src.errors import PeatError
 
 SHAPE = (16, 32)
@@ -291,6 +292,37 @@ def test_a_check_failing_only_on_one_variant_is_named_by_it(rule, model, failing
     if renamed:
         assert d.evidence["rule"] == only.__name__ and d.evidence["would_be"] == model
         assert phrase in d.summary
+
+
+# aqtp's int8 dot_general: reduced_precision on the example inputs, its gradients' values all
+# lost on the outliers inputs (random_value there): a shared scale, not a fault.
+@pytest.mark.parametrize("model,variant,example,others,kept", [
+    ("random_value", "outliers", "reduced_precision", {"large": {"reduced_precision"}}, True),
+    ("zeroed", "outliers", "low_precision_accumulation", {}, True),
+    ("random_value", "large", "reduced_precision", {}, False),            # not the outliers
+    ("nan_inf", "outliers", "reduced_precision", {}, False),              # an overflow: says so
+    ("low_precision_accumulation", "outliers", "reduced_precision", {}, False),  # no loss
+    ("random_value", "outliers", "bit_flip", {}, False),                  # a fault on example
+    ("random_value", "outliers", None, {}, False),                        # the example passes
+    ("random_value", "outliers", "reduced_precision", {"odd_shape": {"tile_boundary"}}, False),
+])
+def test_values_lost_only_on_outliers_keep_the_example_inputs_precision_verdict(
+        model, variant, example, others, kept):
+    ex = (Diagnosis("exact", True, 1.0, {}, "passes") if example is None else
+          _failing(example, effective_mantissa_bits=5.0))
+    failing = {"outliers": {model}, **({} if example is None else {"example": {example}}),
+               **others}
+    d = swamped_by_outliers(_failing(model), variant, ex, failing)
+    if not kept:
+        assert d is None
+        return
+    assert d.model == example and not d.passed
+    assert d.evidence["rule"] == "swamped_by_outliers" and d.evidence["would_be"] == model
+    assert d.evidence["on_outliers"]["model"] == model
+    assert d.evidence["effective_mantissa_bits"] == 5.0
+    assert f"on the outliers inputs it errs as {model}" in d.summary
+    assert swamped_by_outliers(Diagnosis(model, True, 1.0, {}, "passes"), variant, ex,
+                               failing) is None
 
 
 # keras' RMSNorm gradient in float32 or bfloat16 fails only at inputs near 2**62.5, a magnitude

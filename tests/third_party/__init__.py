@@ -9,7 +9,8 @@ functional ops through `peat.kernels.torch_kernel`, lucidrains' rotary embedding
 and must pass on every seed. Bug entries (`bugs.py`) are the porting bugs people report
 (torch's default layer-norm eps 1e-5 against Flax's 1e-6, interleaved against half-split rotary
 embeddings, a missing causal mask, tanh GELU for exact GELU, a loss averaged over padding tokens,
-a FlashAttention that turns large logits into NaN), each a third-party function called the way
+a FlashAttention that turns large logits into NaN, aqtp's int8 matmul left on where the
+matmul is float32), each a third-party function called the way
 the bug calls it, and must fail on every seed, with its error model where the taxonomy has one.
 
 Every entry runs over `SEEDS` (0..4): the seed draws its inputs (`Entry.args(seed)`) and seeds

@@ -74,6 +74,19 @@ torch_sdpa_no_causal = peat.kernels.torch_kernel(_torch_sdpa_default, name="torc
 torch_rope_for_half_split = peat.kernels.torch_kernel(_torch_rope_interleaved,
                                                       name="rotary_embedding_torch")
 
+def aqt_int8_matmul(a, b):
+    """aqtp's int8 `dot_general` (`aqt.jax.v2.config.fully_quantized(fwd_bits=8, bwd_bits=8)`,
+    round to nearest), the quantized training config left on where the model's matmul is
+    float32."""
+    from aqt.jax.v2 import config as aqt_config
+    dot = aqt_config.fully_quantized(fwd_bits=8, bwd_bits=8, use_stochastic_rounding=False)
+    return dot(a, b, (((1,), (0,)), ((), ())), precision=None)
+
+
+def _matmul_args(seed):
+    return normal(seed, 0, 67, 45), normal(seed, 1, 45, 33)
+
+
 _FWD = dict(backward=False, variants=("example",))
 
 def _small_float16_rows(seed):
@@ -127,4 +140,10 @@ ENTRIES: tuple[Entry, ...] = (
           "haiku.RMSNorm in float16 on rows of rms 0.01: its gradient overflows (rsqrt's "
           "derivative -ans / (2 v) is ~v**-1.5 = 1e6), where the formula's is finite",
           variants=("example",), needs=("haiku",)),
+    # its few bits are its verdict: on the outliers inputs its gradients lose every value
+    # (random_value there), which `swamped_by_outliers` tells apart from a fault
+    Entry("aqt_int8_for_float32_matmul", "aqtp", "bug", aqt_int8_matmul,
+          lambda a, b: a @ b, _matmul_args, ("reduced_precision",),
+          "aqtp's int8 dot_general (its quantized training config) where the matmul is float32",
+          variants=("example", "outliers"), needs=("aqt",)),
 )

@@ -3,14 +3,14 @@ and what every check found."""
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 from peat_jax._src.check.judging import Check, narrowest_formats
 from peat_jax._src.check.programs import VJP_FORWARD
 from peat_jax._src.check.running import Float64Reference
 from peat_jax._src.detector import (TRAINING_RANGE_LOG2, UNSTABLE_FACTOR, Diagnosis,
                                     beyond_training_range, narrowed, only_near_overflow,
-                                    only_on_odd_shapes, severity)
+                                    only_on_odd_shapes, severity, swamped_by_outliers)
 from peat_jax._src.judge.reference_spread import Spread
 from peat_jax._src.judge.rounding import ROUNDING_SAMPLES
 
@@ -25,15 +25,26 @@ def _check_key(c: Check) -> tuple:
 def _judged(checks: Sequence[Check], near_overflow_log2: float
             ) -> tuple[Check, Diagnosis, list[Check], Optional[Diagnosis]]:
     """(the worst check, its diagnosis renamed by the variants that fail, the failing checks,
-    None); where the failures are `beyond_training_range`, the same over the other checks with
-    the near_overflow diagnosis last."""
+    None); the example inputs' worst check and its diagnosis where the worst is
+    `swamped_by_outliers`; where the failures are `beyond_training_range`, the same over the
+    other checks with the near_overflow diagnosis last."""
     failing = [c for c in checks if not c.diagnosis.passed]
     failing_variants = {c.variant for c in failing}
     passing = {c.variant for c in checks} - failing_variants
     worst = max(checks, key=_check_key)
-    d = only_near_overflow(only_on_odd_shapes(narrowed(worst.diagnosis, narrowest_formats(checks)),
+    formats = narrowest_formats(checks)
+    d = only_near_overflow(only_on_odd_shapes(narrowed(worst.diagnosis, formats),
                                               failing_variants, passing),
                            failing_variants, passing)
+    example = max((c for c in checks if c.variant == "example"), key=_check_key, default=None)
+    models: dict[str, set[str]] = {}
+    for c in failing:
+        models.setdefault(c.variant, set()).add(c.diagnosis.model)
+    swamped = swamped_by_outliers(
+        d, worst.variant, None if example is None else narrowed(example.diagnosis, formats),
+        models)
+    if swamped is not None:
+        return cast(Check, example), swamped, failing, None
     if not beyond_training_range(d, failing_variants, passing, near_overflow_log2):
         return worst, d, failing, None
     rest = [c for c in checks if c.variant != "near_overflow"]
