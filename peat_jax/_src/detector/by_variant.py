@@ -70,27 +70,32 @@ def only_near_overflow(d: Diagnosis, failing_variants: Iterable[str],
 _SCALED_PRECISION = frozenset({"reduced_precision", "low_precision_accumulation"})
 """Models of too few bits per element: what `swamped_by_outliers` keeps as the verdict."""
 
-_SWAMPED = frozenset({"random_value", "zeroed"})
-"""What the errors of such a kernel whose scale is shared look like on the outliers inputs:
-values quantized to nothing (zeros, or values unrelated to the golden's)."""
+_SWAMPED = _SCALED_PRECISION | {"random_value", "zeroed"}
+"""What the errors of such a kernel with a shared scale look like on the outliers inputs:
+another precision model, or values quantized to nothing (zeros, or values unrelated to the
+golden's)."""
 
 
 def swamped_by_outliers(d: Diagnosis, variant: str, example: Optional[Diagnosis],
                         failing_models: Mapping[str, Iterable[str]]) -> Optional[Diagnosis]:
     """The example inputs' diagnosis `example`, noted, in place of `d` (the worst check of a
     `check_kernel` call, on input variant `variant`) when this sufficient condition holds: `d`
-    is on the "outliers" variant (1% of the elements scaled up by 2**10) and names a model
-    of `_SWAMPED`, the example inputs fail with a model of too few bits
-    (`_SCALED_PRECISION`), and so does every other failing variant (`failing_models`: the
+    is on the "outliers" variant (1% of the elements scaled up by 2**10) and names another
+    model than `example`, one of `_SWAMPED`; the example inputs fail with a model of too few
+    bits (`_SCALED_PRECISION`), and so does every other failing variant (`failing_models`: the
     models of the failing checks, by variant). A format that keeps each element's own
-    exponent (bfloat16, a narrow accumulator) loses the same share of each value whatever the
-    others hold; here a few large values cost the others all their bits: a scale shared by
-    many elements (a row, a block, the tensor) and set by the largest of them, as integer or
-    fp8 quantization has (aqtp's int8 `dot_general`: reduced_precision on the example inputs,
-    random_value on the outliers). The kernel is what it is on ordinary inputs, not a fault.
-    None where the condition does not hold."""
+    exponent (bfloat16 inputs, a narrow accumulator) rounds each value the same whatever the
+    others hold, and says the same model on every variant; here a few large values change how
+    the others are rounded: a scale shared by many elements (a row, a block, the tensor) and
+    set by the largest of them, as integer or fp8 quantization has. aqtp's `dot_general`:
+    reduced_precision on the example inputs and, on the outliers, random_value in int8's
+    gradients (every value lost) and low_precision_accumulation in 12- and 16-bit's forward
+    (the rows holding an outlier err more, and their values are larger). The kernel is what
+    it is on ordinary inputs, not a fault nor a narrow accumulator. None where the condition
+    does not hold."""
     if (d.passed or variant != "outliers" or d.model not in _SWAMPED or example is None
-            or example.passed or example.model not in _SCALED_PRECISION):
+            or example.passed or example.model not in _SCALED_PRECISION
+            or d.model == example.model):
         return None
     others = {m for v, models in failing_models.items() if v != "outliers" for m in models}
     if not others <= _SCALED_PRECISION:
@@ -99,8 +104,8 @@ def swamped_by_outliers(d: Diagnosis, variant: str, example: Optional[Diagnosis]
           "on_outliers": {"model": d.model, "summary": d.summary}}
     return Diagnosis(example.model, False, example.confidence, plain(ev),
                      f"{example.summary}; on the outliers inputs it errs as {d.model}: a few "
-                     "large values take the others' bits, as a scale shared by a row, a block "
-                     "or the tensor does (integer or fp8 quantization)")
+                     "large values change how the others are rounded, as a scale shared by a "
+                     "row, a block or the tensor does (integer or fp8 quantization)")
 
 TRAINING_RANGE_LOG2 = 32
 """log2 of the largest magnitude `beyond_training_range` counts as one training reaches: 2**32
