@@ -33,6 +33,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import jax
 import jax.extend.core as jex
+from jax import lax
 
 from peat_jax._src.errors import PeatError
 
@@ -120,10 +121,24 @@ def name_stack(eqn) -> str:
     return str(eqn.source_info.name_stack)
 
 
+_SCATTERS = {"scatter-add": "scatter_add", "scatter-mul": "scatter_mul",
+             "scatter-min": "scatter_min", "scatter-max": "scatter_max"}
+"""Scatter primitives whose combiner (``update_jaxpr``) is typed by the operand's dtype, by the
+`jax.lax` function that builds it."""
+
+
 def bind(eqn, invals: Sequence[Any], **overrides) -> list:
     """Evaluate `eqn` on `invals` exactly as it was traced (with `overrides` replacing some of
-    its params); its outputs as a list."""
-    bind_params = eqn.primitive.get_bind_params({**eqn.params, **overrides})
+    its params); its outputs as a list. A combining scatter (the transpose of a gather: a
+    gradient of indexing) is rebuilt by its `jax.lax` function, whose combiner takes the
+    operands' dtype: the traced one is typed by the traced dtype, and operands of another one
+    (`promote`'s float64) fail to lower under `vmap` (a region typed f32 over f64 values)."""
+    name, p = eqn.primitive.name, {**eqn.params, **overrides}
+    if name in _SCATTERS:
+        return [getattr(lax, _SCATTERS[name])(
+            *invals, p["dimension_numbers"], indices_are_sorted=p["indices_are_sorted"],
+            unique_indices=p["unique_indices"], mode=p["mode"])]
+    bind_params = eqn.primitive.get_bind_params(p)
     if isinstance(bind_params, tuple):  # (subfuns, params)
         subfuns, params = bind_params
         out = eqn.primitive.bind(*subfuns, *invals, **params)

@@ -59,6 +59,27 @@ def test_data_movement_rounds_nothing():
     np.testing.assert_array_equal(_spread(samples, _float64(moved, A)), 0.0)
 
 
+@pytest.mark.parametrize("op", ["add", "mul", "min", "max", "grad"])
+def test_scatters_and_the_gradient_of_an_indexing_are_sampled(op):
+    """A combining scatter (``x.at[i].add(...)``; the transpose of a gather: the gradient of
+    rows picked by index, as a grouped matmul's reference picks each row's expert) combines in
+    float64 under Monte Carlo arithmetic: its combiner, traced at the program's own dtype,
+    failed to lower there."""
+    rows = jnp.asarray([0, 2, 2, 1, 0, 2], jnp.int32)
+    table, x = jnp.asarray(A[:3]), jnp.asarray(A[:6])
+
+    def fn(t, x):
+        if op == "grad":
+            return jax.grad(lambda t: jnp.sum((t[rows] * x) ** 2))(t)
+        return getattr(x[:3].at[rows[:3]], op)(t[rows[:3]] * 2.0)
+
+    samples = rounding_samples(fn, (table, x), seed=0, samples=2)
+    with jax.enable_x64(True):
+        exact = np.asarray(fn(*(jnp.asarray(v, jnp.float64) for v in (table, x))))
+    assert samples.shape == (2, *exact.shape)
+    np.testing.assert_allclose(samples[0], exact, rtol=1e-5, atol=1e-5)
+
+
 def test_a_sum_that_cancels_has_a_floor_at_the_scale_of_its_terms():
     """Rows of terms that cancel exactly sum to 0 in float64 and, here, in float32: the floor
     of the reference's own error is 0 there. A correct sum in another order is not: the
