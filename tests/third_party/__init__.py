@@ -3,15 +3,16 @@
 `tests/corpus` (kernels written here, by the hands that tuned the floors).
 
 Correct entries (`correct.py`) are implementations that users run in training (lucidrains'
-FlashAttention in JAX, jax's own shipped Pallas ops, jax.nn's stable activations against the
+FlashAttention in JAX, jax's own shipped Pallas ops for GPUs and for TPUs (flash attention and
+megablox's grouped matmul, in pltpu's interpret mode), jax.nn's stable activations against the
 naive formulas users write as references, optax's losses, Flax's and Equinox's layers, PyTorch's
 functional ops through `peat.kernels.torch_kernel`, lucidrains' rotary embeddings in PyTorch)
 and must pass on every seed. Bug entries (`bugs.py`) are the porting bugs people report
 (torch's default layer-norm eps 1e-5 against Flax's 1e-6, interleaved against half-split rotary
 embeddings, a missing causal mask, tanh GELU for exact GELU, a loss averaged over padding tokens,
-a FlashAttention that turns large logits into NaN, aqtp's int8 matmul left on where the
-matmul is float32), each a third-party function called the way
-the bug calls it, and must fail on every seed, with its error model where the taxonomy has one.
+a FlashAttention that turns large logits into NaN, aqtp's int8 matmul left on where the matmul
+is float32), each a third-party function called the way the bug calls it, and must fail on
+every seed, with its error model where the taxonomy has one.
 
 Every entry runs over `SEEDS` (0..4): the seed draws its inputs (`Entry.args(seed)`) and seeds
 `check_kernel`'s variants and cotangents. The packages are pinned in pyproject's `test` extra;

@@ -8,6 +8,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import needs
 
@@ -81,6 +82,71 @@ def jax_pallas_rms_norm(x, scale, bias):
     """jax's `pallas.ops.gpu.rms_norm.rms_norm` (eps 1e-5) over `[a, b, n]`."""
     from jax.experimental.pallas.ops.gpu import rms_norm
     return rms_norm.rms_norm(x, scale, bias, eps=1e-5, interpret=True)
+
+
+# ------------------------------------------------------------------------------------------
+# jax's own shipped TPU Pallas ops (jax.experimental.pallas.ops.tpu), in pltpu's interpret mode
+# ------------------------------------------------------------------------------------------
+
+
+def tpu_interpreted(fn):
+    """`fn`, which calls TPU Pallas kernels, with its forward and its backward traced in
+    pltpu's interpret mode (which runs them on a CPU): a context around the call alone would
+    leave the kernels of the backward, traced later, compiled for a TPU."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    @jax.custom_vjp
+    def interpreted(*args):
+        with pltpu.force_tpu_interpret_mode():
+            return fn(*args)
+
+    def forward(*args):
+        with pltpu.force_tpu_interpret_mode():
+            return jax.vjp(fn, *args)    # the vjp function is a pytree: the residual
+
+    def backward(vjp, ct):
+        with pltpu.force_tpu_interpret_mode():
+            return vjp(ct)
+
+    interpreted.defvjp(forward, backward)
+    return interpreted
+
+
+def jax_tpu_flash_attention_causal(q, k, v):
+    """jax's `pallas.ops.tpu.flash_attention`, causal, blocks of 128 (the smallest it takes:
+    a 2 x 2 block grid per head at 256 positions), `[batch, heads, seq, head_dim]`, its own
+    Pallas backward."""
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+    b = 128
+    sizes = fa.BlockSizes(block_q=b, block_k_major=b, block_k=b, block_b=1,
+                          block_q_major_dkv=b, block_k_major_dkv=b, block_k_dkv=b,
+                          block_q_dkv=b, block_k_major_dq=b, block_k_dq=b, block_q_dq=b)
+    return tpu_interpreted(lambda q, k, v: fa.flash_attention(
+        q, k, v, causal=True, sm_scale=1.0 / math.sqrt(q.shape[-1]), block_sizes=sizes))(q, k, v)
+
+
+GROUP_SIZES = (40, 0, 88, 128)
+"""Rows of `jax_tpu_megablox_gmm`'s lhs per group: an empty group, and groups that end inside
+the kernel's 128-row tiles."""
+
+
+def jax_tpu_megablox_gmm(lhs, rhs):
+    """jax's `pallas.ops.tpu.megablox.gmm` (the grouped matmul of mixture-of-experts layers):
+    row block i of `lhs` times `rhs[i]`, `GROUP_SIZES` rows each, tiles of 128, its own
+    Pallas backward (`tgmm` for the rhs)."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+    # a NumPy constant: a jax array made here under a jit would be a tracer that the
+    # custom_vjp's closure leaks
+    sizes = np.asarray(GROUP_SIZES, np.int32)
+    return tpu_interpreted(lambda a, b: gmm(a, b, sizes, tiling=(128, 128, 128)))(lhs, rhs)
+
+
+def _qkv_bhsd_256(seed):
+    return tuple(normal(seed, i, B, H, 256, D) for i in range(3))
+
+
+def _gmm_args(seed):
+    return normal(seed, 0, sum(GROUP_SIZES), 128), normal(seed, 1, len(GROUP_SIZES), 128, 128)
 
 
 def _qkv_bshd(seed):
@@ -321,6 +387,13 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("jax_pallas_rms_norm", "jax", "correct", jax_pallas_rms_norm, ref.rms_norm, _norm3,
           "passes", "jax's shipped Pallas rms_norm (ops.gpu), interpreted",
           needs=(needs.pallas_op("rms_norm"),)),
+    Entry("jax_tpu_flash_attention_causal", "jax", "correct", jax_tpu_flash_attention_causal,
+          ref.causal_attention_bhsd, _qkv_bhsd_256, "passes",
+          "jax's shipped TPU Pallas flash_attention (ops.tpu), causal, blocks 128, interpreted"),
+    Entry("jax_tpu_megablox_gmm", "jax", "correct", jax_tpu_megablox_gmm,
+          lambda lhs, rhs: ref.grouped_matmul(lhs, rhs, GROUP_SIZES), _gmm_args, "passes",
+          "jax's shipped TPU Pallas grouped matmul (ops.tpu.megablox.gmm), groups of 40, 0, "
+          "88 and 128 rows, interpreted"),
     Entry("jax_nn_sigmoid", "jax", "correct", jax.nn.sigmoid, ref.sigmoid_naive, _activation_args,
           "passes", "jax.nn.sigmoid against 1 / (1 + exp(-x)): its gradient s * (1 - s) is a "
           "few ULPs off at a few elements (cancellation), a right algorithm's rounding"),

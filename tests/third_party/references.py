@@ -188,3 +188,11 @@ def silu_naive(x):
 
 def softplus_naive(x):
     return jnp.log(1 + jnp.exp(x))
+
+
+def grouped_matmul(lhs, rhs, group_sizes):
+    """Row block i of `lhs` (`group_sizes[i]` rows, in order) times `rhs[i]`: `[m, k]` by
+    `[groups, k, n]` to `[m, n]`."""
+    group = jnp.repeat(jnp.arange(len(group_sizes)), jnp.asarray(group_sizes),
+                       total_repeat_length=lhs.shape[0])
+    return jnp.einsum("mk,mkn->mn", lhs, rhs[group])
