@@ -250,6 +250,27 @@ def while_layout(eqn) -> WhileLayout:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearSolveLayout:
+    """A ``custom_linear_solve`` (`jnp.linalg.solve`, `lax.custom_linear_solve`): its value is
+    ``solve(*operands[start:start + nconsts], *operands[total:])``, the solve jaxpr on its own
+    constants and the right-hand side (which follows every jaxpr's constants)."""
+    solve: Any
+    start: int
+    nconsts: int
+    total: int
+
+
+def linear_solve_layout(eqn) -> LinearSolveLayout:
+    p = eqn.params
+    try:
+        lengths, jaxprs = p["const_lengths"], p["jaxprs"]
+        return LinearSolveLayout(solve=jaxprs.solve, start=lengths.matvec + lengths.vecmat,
+                                 nconsts=lengths.solve, total=sum(lengths))
+    except (KeyError, AttributeError) as e:
+        raise unsupported("custom_linear_solve", f"{e!r} (params {sorted(p)})") from None
+
+
+@dataclasses.dataclass(frozen=True)
 class RematLayout:
     jaxpr: Any
     prevent_cse: bool

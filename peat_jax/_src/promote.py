@@ -10,11 +10,13 @@ made a cast to float64: the program's arithmetic in float64, the reference's alg
 precision far above its own. Calls (`jit`, custom derivative calls, `checkpoint`) are inlined:
 differentiating the result differentiates the widened body; loops and branches (`scan`,
 `while`, `cond`) are rebuilt with `lax.scan`, `lax.while_loop` and `lax.switch` around widened
-bodies. A program with a kernel (`pallas_call`, `ffi_call`, ...) or a bitcast is refused
-(`PeatError`): a kernel's body or a bit pattern cannot be widened this way.
+bodies; complex values are widened to complex128. A program with a kernel (`pallas_call`,
+`ffi_call`, ...) or a bitcast is refused (`PeatError`): a kernel's body or a bit pattern cannot
+be widened this way.
 
 `evaluate` is the same walk with a hook after every leaf equation: the rounding floor
-(`peat_jax._src.judge.rounding`) perturbs each result there (Monte Carlo arithmetic).
+(`peat_jax._src.judge.rounding`) perturbs each result there (Monte Carlo arithmetic); a linear
+solve (`jnp.linalg.solve`) is evaluated there by its solve jaxpr.
 """
 from __future__ import annotations
 
@@ -46,14 +48,25 @@ class Hook(Protocol):
         """The hook for one iteration `i` (a traced int) of a loop body."""
 
 
+def _wide(dtype) -> Any:
+    """float64 for a float dtype, complex128 for a complex one, None for any other."""
+    if is_floating(dtype):
+        return jnp.dtype(jnp.float64)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating):
+        return jnp.dtype(jnp.complex128)
+    return None
+
+
 def _widen(x) -> Any:
-    """`x` as float64 when it is a narrower float (an array, a tracer or a literal's value)."""
+    """`x` as float64 when it is a narrower float, as complex128 when it is a narrower complex
+    (an array, a tracer or a literal's value)."""
     dtype = getattr(x, "dtype", None)
-    if dtype is None or not is_floating(dtype) or dtype == jnp.float64:
+    wide = _wide(dtype)
+    if wide is None or dtype == wide:
         return x
     if isinstance(x, (np.ndarray, np.generic)):
-        return np.asarray(x, np.float64)
-    return jax.lax.convert_element_type(x, jnp.float64)
+        return np.asarray(x, wide)
+    return jax.lax.convert_element_type(x, wide)
 
 
 def evaluate(jaxpr, consts, args, hook: Optional[Hook] = None) -> list:
@@ -125,7 +138,21 @@ def _cond(eqn, invals, hook: Optional[Hook]) -> list:
     return list(lax.switch(invals[0], branches, *invals[1:]))
 
 
-_CONTAINERS = {"scan": _scan, "while": _while, "cond": _cond}
+def _linear_solve(eqn, invals, hook: Optional[Hook]) -> list:
+    """A ``custom_linear_solve`` evaluated by its solve jaxpr, widened: for `hook`'s (Monte
+    Carlo arithmetic's) evaluation only, whose programs run under `vmap`, where the primitive's
+    jaxprs, typed by the traced dtype, fail to lower on float64 operands. Its solve holds the
+    factorisation behind a `stop_gradient` (the primitive's derivative is the implicit one), so
+    `widened`, which is differentiated, keeps the primitive (it lowers outside `vmap`)."""
+    if hook is None:
+        return _jax.bind(eqn, invals)
+    ls = _jax.linear_solve_layout(eqn)
+    return _closed(ls.solve, hook)(*invals[ls.start:ls.start + ls.nconsts],
+                                   *invals[ls.total:])
+
+
+_CONTAINERS = {"scan": _scan, "while": _while, "cond": _cond,
+               "custom_linear_solve": _linear_solve}
 
 
 def _eqn(eqn, invals, hook: Optional[Hook] = None) -> list:
@@ -138,8 +165,8 @@ def _eqn(eqn, invals, hook: Optional[Hook] = None) -> list:
         return _CONTAINERS[name](eqn, invals, hook)
     if name in _REFUSED or _jax.sub_jaxprs(eqn):
         raise PeatError(f"cannot widen a program with {name!r} to float64")
-    if name == "convert_element_type" and is_floating(params["new_dtype"]):
-        outs = [jax.lax.convert_element_type(invals[0], jnp.float64)]   # ints too
+    if name == "convert_element_type" and _wide(params["new_dtype"]) is not None:
+        outs = [jax.lax.convert_element_type(invals[0], _wide(params["new_dtype"]))]  # ints too
     else:
         pref = params.get("preferred_element_type")
         if pref is not None and is_floating(pref):

@@ -70,6 +70,25 @@ def test_the_shadow_is_differentiable_in_float64():
     np.testing.assert_allclose(np.asarray(db), a.T @ ct, rtol=1e-13)
 
 
+@pytest.mark.parametrize("fn", [
+    lambda m: jnp.linalg.solve(m[:, :5] + 6 * jnp.eye(5), m[:, 5]),       # a linear solve
+    lambda m: jnp.abs(jnp.fft.rfft(m, axis=1)) ** 2,                      # complex values
+], ids=["solve", "rfft"])
+def test_the_shadow_of_a_solve_and_of_complex_values_is_the_float64_program(fn):
+    """Values and gradients equal the program run in float64: a solve's derivative is its
+    implicit one (its solve jaxpr holds the factorisation behind a stop_gradient), and
+    complex64 literals are widened beside complex128 values."""
+    m = np.random.default_rng(2).standard_normal((5, 6))
+    loss = lambda f: lambda x: jnp.sum(f(x) ** 2)   # noqa: E731
+    with jax.enable_x64(True):
+        x = jnp.asarray(m)
+        np.testing.assert_allclose(widened(fn)(x), fn(x), rtol=1e-13)
+        np.testing.assert_allclose(jax.grad(loss(widened(fn)))(x), jax.grad(loss(fn))(x),
+                                   rtol=1e-12, atol=1e-12)
+        shadow = widened(fn)(jnp.asarray(m, jnp.float32).astype(jnp.float64))
+    assert shadow.dtype == jnp.float64
+
+
 def test_constants_traced_in_the_narrow_dtype_keep_its_rounding():
     """A constant made while tracing (a float32 0.1) is widened, not recomputed: the shadow is
     as accurate as the program's constants."""

@@ -80,6 +80,30 @@ def test_scatters_and_the_gradient_of_an_indexing_are_sampled(op):
     np.testing.assert_allclose(samples[0], exact, rtol=1e-5, atol=1e-5)
 
 
+def _solve(m):
+    return jnp.linalg.solve(m[:6, :6] + 8 * jnp.eye(6), m[:6, 0])
+
+
+def _fft_power(m):
+    return jnp.abs(jnp.fft.rfft(m, axis=1)) ** 2
+
+
+@pytest.mark.parametrize("fn", [_solve, _fft_power], ids=["solve", "rfft"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_linear_solves_and_complex_values_are_sampled_in_float64(fn, grad):
+    """A linear solve (its jaxprs typed by the traced dtype) and a program with complex values
+    (complex64 literals beside complex128 ones) are evaluated in float64 / complex128: each
+    failed to lower or to trace there, leaving the reference without a rounding floor."""
+    f = (lambda m: jax.grad(lambda x: jnp.sum(fn(x) ** 2))(m)) if grad else fn
+    m = jnp.asarray(A[:6])
+    samples = rounding_samples(f, (m,), seed=0, samples=2)
+    with jax.enable_x64(True):
+        exact = np.asarray(f(jnp.asarray(A[:6], jnp.float64)))
+    assert samples.shape == (2, *exact.shape) and samples.dtype == np.float64
+    np.testing.assert_allclose(samples[0], exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
+    assert not np.array_equal(samples[0], samples[1])     # perturbed: a spread, not a copy
+
+
 def test_a_sum_that_cancels_has_a_floor_at_the_scale_of_its_terms():
     """Rows of terms that cancel exactly sum to 0 in float64 and, here, in float32: the floor
     of the reference's own error is 0 there. A correct sum in another order is not: the
