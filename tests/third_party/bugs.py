@@ -74,6 +74,7 @@ torch_sdpa_no_causal = peat.kernels.torch_kernel(_torch_sdpa_default, name="torc
 torch_rope_for_half_split = peat.kernels.torch_kernel(_torch_rope_interleaved,
                                                       name="rotary_embedding_torch")
 
+
 def aqt_int8_matmul(a, b):
     """aqtp's int8 `dot_general` (`aqt.jax.v2.config.fully_quantized(fwd_bits=8, bwd_bits=8)`,
     round to nearest), the quantized training config left on where the model's matmul is

@@ -107,6 +107,7 @@ def swamped_by_outliers(d: Diagnosis, variant: str, example: Optional[Diagnosis]
                      "large values change how the others are rounded, as a scale shared by a "
                      "row, a block or the tensor does (integer or fp8 quantization)")
 
+
 TRAINING_RANGE_LOG2 = 32
 """log2 of the largest magnitude `beyond_training_range` counts as one training reaches: 2**32
 (4.3e9), the "large" variant's in float32 and bfloat16, far above activations and gradients
