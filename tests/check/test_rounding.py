@@ -119,6 +119,35 @@ def test_a_sum_that_cancels_has_a_floor_at_the_scale_of_its_terms():
     assert np.all(spread > 0.1 * 2.0 ** -24 * scale) and np.all(spread < 30 * 2.0 ** -24 * scale)
 
 
+def _matmul_terms(rng, k, mean):
+    a = (mean + rng.standard_normal((8, k))).astype(np.float32)
+    b = (mean + rng.standard_normal((k, 6))).astype(np.float32)
+    return jnp.matmul, (a, b), a[:, :, None] * b[None]     # the products, rounded once each
+
+
+def _row_sum_terms(rng, k, mean):
+    x = (mean + rng.standard_normal((8, k))).astype(np.float32)
+    return (lambda v: jnp.sum(v, axis=1)), (x,), x
+
+
+@pytest.mark.parametrize("k", [4096, 16384])
+@pytest.mark.parametrize("mean", [0.0, 1.0], ids=["either_sign", "one_sign"])
+@pytest.mark.parametrize("terms", [_matmul_terms, _row_sum_terms], ids=["matmul", "row_sum"])
+def test_a_sum_in_order_is_within_the_floor(terms, k, mean):
+    """The thread that owns an output element of a GPU matmul (or a float32 Pallas loop, or
+    XLA:CPU's dot at some shapes) adds its K products one after another, as a kernel that walks
+    a long row adds its blocks: rounding at the scale of the partial sums K times, not at the
+    ~log2 K levels of a tree. That order's error is within the floor the samples set (4x their
+    spread and 2 ULPs, `analyze`'s) at every element, for terms of either sign and of one."""
+    fn, args, t = terms(np.random.default_rng(k), k, mean)
+    r64 = _float64(fn, *args)
+    in_order = np.cumsum(t, axis=1, dtype=np.float32)[:, -1]    # one add after another
+    spread = _spread(rounding_samples(fn, tuple(map(jnp.asarray, args)), seed=0), r64)
+    floor = 4 * spread + 2 * np.spacing(np.abs(r64).astype(np.float32)).astype(np.float64)
+    error = np.abs(in_order.astype(np.float64) - r64)
+    assert np.all(error <= floor), (error / floor).max()
+
+
 @pytest.mark.parametrize("op", ["sum", "add"])
 def test_float64_terms_near_overflow_that_cancel_have_a_floor_at_their_scale(op):
     """Terms near the top of float64's range, whose squares overflow it, that cancel (to 0, or
@@ -248,6 +277,27 @@ def test_analyze_judges_against_the_spread_of_the_samples():
         analyze(candidate, golden, rounding=samples)
     with pytest.raises(PeatError, match=r"expected \(S, \*\(8, 64\)\)"):
         analyze(candidate, golden, r64, rounding=samples[:, :4])
+
+
+def _matmul_in_order(a, b):
+    """A correct matmul that adds its K products one after another, as a GPU thread does."""
+    def step(k, acc):
+        return acc + jax.lax.dynamic_slice_in_dim(a, k, 1, 1) @ \
+            jax.lax.dynamic_slice_in_dim(b, k, 1, 0)
+    return jax.lax.fori_loop(0, a.shape[1], step, jnp.zeros((a.shape[0], b.shape[1]), a.dtype))
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_a_matmul_summed_in_order_passes(seed):
+    """Over K = 16384 its error is several times the reference's own (a tree's): only the
+    rounding floor of an in-order sum tells it apart from a fault (on these seeds a floor of
+    ~log2 K levels said `unstable_algorithm` and `unknown`)."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((48, 16384)).astype(np.float32)
+    b = rng.standard_normal((16384, 40)).astype(np.float32)
+    d = peat.check_kernel(_matmul_in_order, jnp.matmul, a, b, seed=seed, repeats=1,
+                          backward=False)
+    assert d.passed, d.summary
 
 
 def _masked_scores(q, k):

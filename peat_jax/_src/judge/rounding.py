@@ -18,11 +18,16 @@ and per equation from the sample's fixed stream (`counter_random.uniforms64`):
   (`TRANSCENDENTAL`: libraries differ by up to an ULP) ``y * (1 + 2 * u * d)``;
 * a sum of K terms t_k (`SUMMING`: a matmul's K, a reduction's extent; an addition or
   subtraction is a sum of 2, whose result may cancel far below its operands) rounds its partial
-  sums, at the scale of what it sums, not of its result: ``y + u * sqrt(log2 K + 1) * (d1 * |y|
-  + d2 * sqrt(sum t_k**2))``: a blocked or pairwise sum rounds at each of its ~log2 K levels,
-  at the scale of its partial sums (``|y|`` for terms of one sign, ``sqrt(sum t_k**2)`` for
-  terms of either sign); so where the terms cancel to (nearly) 0 the floor is rounding at the
-  terms' scale;
+  sums, at the scale of what it sums, not of its result: ``y + u * sqrt(L) * (d1 * |y| + d2 *
+  sqrt(sum t_k**2))`` with L its rounding levels (`_levels`), the partial sums' scale ``|y|`` for
+  terms of one sign, ``sqrt(sum t_k**2)`` for terms of either sign; so where the terms cancel
+  to (nearly) 0 the floor is rounding at the terms' scale. A pairwise or blocked sum rounds at
+  its ~log2 K + 1 levels; one in order, one term after another, K times, at its partial sums'
+  scale (their squares sum to about K (y**2 / 3 + sum t_k**2 / 6) in a random order): L = K / 3
+  where that is more. In-order sums are common in correct kernels: the thread that owns a
+  matmul's output element adds its K products one after another (the textbook GPU matmul, a
+  float32 Triton or Pallas loop of FMAs, XLA:CPU's own dot at some shapes), and a kernel that
+  walks a long row block by block adds each lane's blocks in order;
 * data movement and selection (`EXACT`: reshape, gather, max, negation, ...) round nothing; a
   cast to a narrower float rounds at the narrower format's unit roundoff.
 
@@ -140,6 +145,14 @@ def _terms(eqn, invals) -> tuple[Any, int]:
              else shapes[0][p["axis"]])
         sq = _jax.bind(eqn, [scaled[0] * scaled[0]])[0]
     return jnp.ldexp(jnp.sqrt(sq), e), max(int(k), 1)
+
+
+def _levels(k: int) -> float:
+    """The rounding levels L of a sum of `k` terms (`SUMMING`): ``log2 k + 1`` (a pairwise or
+    blocked sum), or ``k / 3`` where that is more (in order, one term after another: its
+    rounding's variance is about ``u**2 / 3 * k * (y**2 / 3 + sum t**2 / 6)``, within the
+    model's ``u**2 / 3 * L * (y**2 + sum t**2)``)."""
+    return max(math.log2(k) + 1, k / 3)
 
 
 def _exponent(x):
@@ -265,7 +278,7 @@ class _Perturb:
     def _summed(self, eqn, invals, y, u):
         """(y perturbed, the size of its own rounding) for a `SUMMING` equation's output."""
         root, k = _terms(eqn, invals)
-        depth = math.sqrt(math.log2(k) + 1)
+        depth = math.sqrt(_levels(k))
         if eqn.primitive.name in _ADDITIONS:
             # another order rounds each operand's part at its own scale; another algorithm
             # need not share the operands' accumulated rounding, which the reference's order
