@@ -300,6 +300,26 @@ def test_a_matmul_summed_in_order_passes(seed):
     assert d.passed, d.summary
 
 
+def _bfloat16_accumulator(a, b):
+    """The `low_precision_accumulation` fault: K products added in order in bfloat16."""
+    def step(k, acc):
+        return (acc + jax.lax.dynamic_slice_in_dim(a, k, 1, 1) @
+                jax.lax.dynamic_slice_in_dim(b, k, 1, 0)).astype(jnp.bfloat16)
+    return jax.lax.fori_loop(0, a.shape[1], step, jnp.zeros((a.shape[0], b.shape[1]), a.dtype))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_bfloat16_sum_in_order_is_not_within_the_floor(seed):
+    """A bfloat16 matmul is accumulated in float32 by every backend: in order in bfloat16 it
+    is a fault, which the rounding floor of its bfloat16 reference must not excuse."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((16, 1024)).astype(jnp.bfloat16)
+    b = rng.standard_normal((1024, 8)).astype(jnp.bfloat16)
+    d = peat.check_kernel(_bfloat16_accumulator, jnp.matmul, a, b, seed=seed, repeats=1,
+                          backward=False)
+    assert not d.passed, d.summary
+
+
 def _masked_scores(q, k):
     s = q @ k.T
     return jnp.where(jnp.tril(jnp.ones(s.shape, bool)), s, -jnp.inf)

@@ -24,10 +24,12 @@ and per equation from the sample's fixed stream (`counter_random.uniforms64`):
   to (nearly) 0 the floor is rounding at the terms' scale. A pairwise or blocked sum rounds at
   its ~log2 K + 1 levels; one in order, one term after another, K times, at its partial sums'
   scale (their squares sum to about K (y**2 / 3 + sum t_k**2 / 6) in a random order): L = K / 3
-  where that is more. In-order sums are common in correct kernels: the thread that owns a
-  matmul's output element adds its K products one after another (the textbook GPU matmul, a
-  float32 Triton or Pallas loop of FMAs, XLA:CPU's own dot at some shapes), and a kernel that
-  walks a long row block by block adds each lane's blocks in order;
+  where that is more, for a sum in float32 or float64. In-order sums are common in correct
+  kernels: the thread that owns a matmul's output element adds its K products one after another
+  (the textbook GPU matmul, a float32 Triton or Pallas loop of FMAs, XLA:CPU's own dot at some
+  shapes), and a kernel that walks a long row block by block adds each lane's blocks in order.
+  Not a 16-bit sum: every backend accumulates it in float32, and one summed in order in its own
+  dtype is the `low_precision_accumulation` fault;
 * data movement and selection (`EXACT`: reshape, gather, max, negation, ...) round nothing; a
   cast to a narrower float rounds at the narrower format's unit roundoff.
 
@@ -147,12 +149,20 @@ def _terms(eqn, invals) -> tuple[Any, int]:
     return jnp.ldexp(jnp.sqrt(sq), e), max(int(k), 1)
 
 
-def _levels(k: int) -> float:
-    """The rounding levels L of a sum of `k` terms (`SUMMING`): ``log2 k + 1`` (a pairwise or
-    blocked sum), or ``k / 3`` where that is more (in order, one term after another: its
-    rounding's variance is about ``u**2 / 3 * k * (y**2 / 3 + sum t**2 / 6)``, within the
-    model's ``u**2 / 3 * L * (y**2 + sum t**2)``)."""
-    return max(math.log2(k) + 1, k / 3)
+_IN_ORDER_ROUNDOFF = 2.0 ** -24
+"""The coarsest unit roundoff at which a sum may be accumulated in order in its own dtype
+(float32's): a 16-bit float's sum is accumulated in float32 by every backend (one accumulated
+in its own dtype is the `low_precision_accumulation` fault), so its own rounding is the last."""
+
+
+def _levels(k: int, u: float) -> float:
+    """The rounding levels L of a sum of `k` terms (`SUMMING`) whose result rounds at `u`:
+    ``log2 k + 1`` (a pairwise or blocked sum), or, at float32's precision or finer, ``k / 3``
+    where that is more (in order, one term after another: its rounding's variance is about
+    ``u**2 / 3 * k * (y**2 / 3 + sum t**2 / 6)``, within the model's ``u**2 / 3 * L * (y**2 +
+    sum t**2)``)."""
+    tree = math.log2(k) + 1
+    return max(tree, k / 3) if u <= _IN_ORDER_ROUNDOFF else tree
 
 
 def _exponent(x):
@@ -278,7 +288,7 @@ class _Perturb:
     def _summed(self, eqn, invals, y, u):
         """(y perturbed, the size of its own rounding) for a `SUMMING` equation's output."""
         root, k = _terms(eqn, invals)
-        depth = math.sqrt(_levels(k))
+        depth = math.sqrt(_levels(k, u))
         if eqn.primitive.name in _ADDITIONS:
             # another order rounds each operand's part at its own scale; another algorithm
             # need not share the operands' accumulated rounding, which the reference's order
