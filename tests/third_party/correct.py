@@ -394,7 +394,7 @@ ENTRIES: tuple[Entry, ...] = (
           lambda lhs, rhs: ref.grouped_matmul(lhs, rhs, GROUP_SIZES), _gmm_args, "passes",
           "jax's shipped TPU Pallas grouped matmul (ops.tpu.megablox.gmm), groups of 40, 0, "
           "88 and 128 rows, interpreted (XLA:CPU sums each 128-term tile in order: a false "
-          "alarm on jax 0.12.1 before contractions had in-order rounding in the floor)"),
+          "alarm on jax 0.12.1 before float32 sums had in-order rounding in the floor)"),
     Entry("jax_nn_sigmoid", "jax", "correct", jax.nn.sigmoid, ref.sigmoid_naive, _activation_args,
           "passes", "jax.nn.sigmoid against 1 / (1 + exp(-x)): its gradient s * (1 - s) is a "
           "few ULPs off at a few elements (cancellation), a right algorithm's rounding"),
