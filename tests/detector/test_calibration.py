@@ -290,11 +290,11 @@ def test_reduction_in_another_order_passes():
     _passes(check_kernel(pairwise, ref, x, **opts))
     # 300 terms: the median ULP error is ~3x XLA's, the 99th percentile and max are below it.
     _passes(check_kernel(sequential, ref, x, **opts))
-    # 3000 terms: every quantile 7-10x XLA's (exact in float64: the float32 order amplified).
+    # 3000 terms: every quantile 7-10x XLA's, an in-order sum's rounding (a GPU thread adds a
+    # matmul's K products so): within the rounding floor, whose float32 sums round at K / 3
+    # levels
     long = jax.random.normal(jax.random.key(0), (48, 3000))
-    d = check_kernel(sequential, ref, long, **opts)
-    assert not d.passed and d.model == "unstable_algorithm", d.summary
-    _passes(check_kernel(sequential, ref, long, noise_factor=16, **opts))
+    _passes(check_kernel(sequential, ref, long, **opts))
 
 
 @pytest.mark.slow
