@@ -279,12 +279,16 @@ def test_analyze_judges_against_the_spread_of_the_samples():
         analyze(candidate, golden, r64, rounding=samples[:, :4])
 
 
-def _matmul_in_order(a, b):
-    """A correct matmul that adds its K products one after another, as a GPU thread does."""
-    def step(k, acc):
-        return acc + jax.lax.dynamic_slice_in_dim(a, k, 1, 1) @ \
-            jax.lax.dynamic_slice_in_dim(b, k, 1, 0)
-    return jax.lax.fori_loop(0, a.shape[1], step, jnp.zeros((a.shape[0], b.shape[1]), a.dtype))
+def _in_order_matmul(accumulator):
+    """A matmul that adds its K products one after another in `accumulator`'s dtype, as a GPU
+    thread does in float32 (correct) or a kernel with a 16-bit accumulator does (a fault)."""
+    def matmul(a, b):
+        def step(k, acc):
+            return (acc + jax.lax.dynamic_slice_in_dim(a, k, 1, 1) @
+                    jax.lax.dynamic_slice_in_dim(b, k, 1, 0)).astype(accumulator)
+        zeros = jnp.zeros((a.shape[0], b.shape[1]), accumulator)
+        return jax.lax.fori_loop(0, a.shape[1], step, zeros)
+    return matmul
 
 
 @pytest.mark.parametrize("seed", [3, 4])
@@ -295,17 +299,9 @@ def test_a_matmul_summed_in_order_passes(seed):
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((48, 16384)).astype(np.float32)
     b = rng.standard_normal((16384, 40)).astype(np.float32)
-    d = peat.check_kernel(_matmul_in_order, jnp.matmul, a, b, seed=seed, repeats=1,
+    d = peat.check_kernel(_in_order_matmul(jnp.float32), jnp.matmul, a, b, seed=seed, repeats=1,
                           backward=False)
     assert d.passed, d.summary
-
-
-def _bfloat16_accumulator(a, b):
-    """The `low_precision_accumulation` fault: K products added in order in bfloat16."""
-    def step(k, acc):
-        return (acc + jax.lax.dynamic_slice_in_dim(a, k, 1, 1) @
-                jax.lax.dynamic_slice_in_dim(b, k, 1, 0)).astype(jnp.bfloat16)
-    return jax.lax.fori_loop(0, a.shape[1], step, jnp.zeros((a.shape[0], b.shape[1]), a.dtype))
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -315,7 +311,7 @@ def test_a_bfloat16_sum_in_order_is_not_within_the_floor(seed):
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((16, 1024)).astype(jnp.bfloat16)
     b = rng.standard_normal((1024, 8)).astype(jnp.bfloat16)
-    d = peat.check_kernel(_bfloat16_accumulator, jnp.matmul, a, b, seed=seed, repeats=1,
+    d = peat.check_kernel(_in_order_matmul(jnp.bfloat16), jnp.matmul, a, b, seed=seed, repeats=1,
                           backward=False)
     assert not d.passed, d.summary
 

@@ -149,7 +149,7 @@ def _terms(eqn, invals) -> tuple[Any, int]:
     return jnp.ldexp(jnp.sqrt(sq), e), max(int(k), 1)
 
 
-_IN_ORDER_ROUNDOFF = 2.0 ** -24
+_IN_ORDER_ROUNDOFF = unit_roundoff(np.float32)
 """The coarsest unit roundoff at which a sum may be accumulated in order in its own dtype
 (float32's): a 16-bit float's sum is accumulated in float32 by every backend (one accumulated
 in its own dtype is the `low_precision_accumulation` fault), so its own rounding is the last."""
