@@ -63,6 +63,25 @@ def test_exact_forward_with_wrong_backward_is_caught():
     assert "grad[1]" in d.summary and "1.5x" in d.summary
 
 
+def naive_logsumexp(x):
+    """m + log(sum(exp(x - m))) along the last axis: NaN on a fully masked row (-inf - -inf)."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    return (m + jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)))[..., 0]
+
+
+@pytest.mark.parametrize("masked_rows", [(3,), (0, 5, 11)])
+def test_nan_for_a_fully_masked_row_is_nan_inf(masked_rows):
+    # the porting bug: jax's logsumexp returns -inf for a row of -inf, the naive form NaN
+    x = np.array(jax.random.normal(jax.random.key(2), (16, 40)))
+    x[list(masked_rows)] = -np.inf
+    d = check_kernel(jax.jit(naive_logsumexp),
+                     jax.jit(lambda v: jax.scipy.special.logsumexp(v, axis=-1)), jnp.asarray(x),
+                     backward=False, variants=("example",))
+    assert not d.passed and d.model == "nan_inf"
+    assert f"{len(masked_rows)} NaN where the golden is infinite" in d.summary
+    assert f"[{masked_rows[0]}]" in d.summary and "where the golden is -inf" in d.summary
+
+
 def blocked_scaled_forward(a, b):
     """A forward that is 1.5x too large (its gradients follow)."""
     return blocked(a, b) * 1.5

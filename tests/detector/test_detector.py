@@ -172,6 +172,29 @@ def test_nan_from_exponent_flip_vs_written_nan():
     assert d.model == "nan_inf" and d.evidence["new_nonfinite"] == 1
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("golden_inf", [-np.inf, np.inf])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_nan_where_the_golden_is_infinite_is_nan_inf(dtype, golden_inf, rows):
+    # a log-sum-exp of fully masked rows computed as m + log(sum(exp(x - m))): -inf - (-inf)
+    g = _normal(6).astype(dtype)
+    g[:rows, 0] = golden_inf
+    c = g.copy()
+    c[:rows, 0] = np.nan
+    sig = analyze(c, g)
+    assert sig.counts.nan_for_infinite == rows and sig.counts.new_nonfinite == 0
+    d = detect(sig)
+    assert d.model == "nan_inf" and d.evidence["nan_for_infinite"] == rows
+    assert f"{rows} NaN where the golden is infinite" in d.summary
+    assert f"where the golden is {'-' if golden_inf < 0 else ''}inf" in d.summary
+    # equal infinities and equal NaNs are no error; an infinity of the other sign is not a NaN
+    same = analyze(g, g)
+    assert same.counts.nan_for_infinite == 0 and detect(same).passed
+    flipped = g.copy()
+    flipped[:rows, 0] = -golden_inf
+    assert analyze(flipped, g).counts.nan_for_infinite == 0
+
+
 def test_operand_corruption_summary_and_confidence():
     g = _normal(6)
     c = g.copy()

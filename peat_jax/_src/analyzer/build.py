@@ -44,7 +44,8 @@ def _counts(stats: LeafStats, n: int) -> Counts:
         elements=n, mismatched=int(w.mismatched),
         nonfinite_candidate=int(w.nonfinite_candidate),
         nonfinite_golden=int(w.nonfinite_golden), new_nonfinite=int(w.new_nonfinite),
-        lost_nonfinite=int(w.lost_nonfinite), unjudged=int(w.unjudged),
+        lost_nonfinite=int(w.lost_nonfinite), nan_for_infinite=int(w.nan_for_infinite),
+        unjudged=int(w.unjudged),
         significant=int(w.significant),
         flushed=int(w.flushed), significant_not_flushed=int(w.significant_not_flushed),
         golden_flushed=int(w.golden_flushed), subnormal_golden=int(w.subnormal_golden),
@@ -258,7 +259,8 @@ def nonfloat_signature(path: str, shape, dtype: str, comparison: str, n_mis: int
     n = int(math.prod(shape))
     counts = Counts(
         elements=n, mismatched=n_mis, nonfinite_candidate=0, nonfinite_golden=0,
-        new_nonfinite=0, lost_nonfinite=0, unjudged=0, significant=n_mis, flushed=0,
+        new_nonfinite=0, lost_nonfinite=0, nan_for_infinite=0, unjudged=0, significant=n_mis,
+        flushed=0,
         significant_not_flushed=n_mis, golden_flushed=0, subnormal_golden=0,
         subnormal_candidate=0)
     errors = Errors(

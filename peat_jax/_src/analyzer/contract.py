@@ -44,6 +44,7 @@ class WholeLeaf(NamedTuple):
     nonfinite_golden: Array
     new_nonfinite: Array
     lost_nonfinite: Array
+    nan_for_infinite: Array
     unjudged: Array
     flushed: Array
     significant_not_flushed: Array

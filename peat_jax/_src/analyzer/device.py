@@ -49,16 +49,17 @@ def _ulp_distance(e: Elements, f: FloatFormat):
 
 
 def _rare_counts(c, g, r, s: Scales, options: Options, f: FloatFormat, eloc):
-    """(nonfinite c, nonfinite g, new nonfinite, lost nonfinite, unjudged, flushed, significant
-    flushed, golden flushed, subnormal g, subnormal c) counts and the largest ULP distance, in
-    one reduction."""
+    """(nonfinite c, nonfinite g, new nonfinite, lost nonfinite, NaN for an infinite golden,
+    unjudged, flushed, significant flushed, golden flushed, subnormal g, subnormal c) counts and
+    the largest ULP distance, in one reduction."""
     e = elements(c, g, r, s, options, f, eloc)
     dc, dg = e.dc, e.dg
     return vreduce(
         [i32(dc.nonfinite), i32(dg.nonfinite), i32(dc.nonfinite & ~dg.nonfinite),
-         i32(dg.nonfinite & ~dc.nonfinite), i32(e.unjudged), i32(e.flushed),
-         i32(e.significant & e.flushed), i32(e.mismatched & dg.zero & dc.subnormal),
-         i32(dg.subnormal), i32(dc.subnormal), _ulp_distance(e, f)], ["sum"] * 10 + ["max"],
+         i32(dg.nonfinite & ~dc.nonfinite), i32(dc.nan & dg.nonfinite & ~dg.nan),
+         i32(e.unjudged), i32(e.flushed), i32(e.significant & e.flushed),
+         i32(e.mismatched & dg.zero & dc.subnormal), i32(dg.subnormal), i32(dc.subnormal),
+         _ulp_distance(e, f)], ["sum"] * 11 + ["max"],
         (0, 1))
 
 
@@ -95,16 +96,17 @@ def whole_leaf(c, g, r, s: Scales, options: Options, f: FloatFormat) -> tuple[Wh
     n_mis, n_sig, max_abs, max_ratio, max_ulp = vreduce(per_row, kinds, (0,))
 
     def none(_):
-        return tuple(jnp.zeros((), jnp.int32) for _ in range(10)) + (max_ulp,)
+        return tuple(jnp.zeros((), jnp.int32) for _ in range(11)) + (max_ulp,)
 
-    (nf_c, nf_g, new_nf, lost_nf, unjudged, ftz, sig_ftz, gold_fl, sub_g, sub_c,
+    (nf_c, nf_g, new_nf, lost_nf, nan_inf, unjudged, ftz, sig_ftz, gold_fl, sub_g, sub_c,
      max_ulp) = lax.cond(max_ulp == marked,
                          lambda _: _rare_counts(c, g, r, s, options, f, eloc), none, None)
     padding = c.size - s.rows * s.cols    # a bucket's NaNs, equal in candidate and golden
     nf_c, nf_g = nf_c - padding, nf_g - padding
     return WholeLeaf(
         mismatched=n_mis, significant=n_sig, nonfinite_candidate=nf_c, nonfinite_golden=nf_g,
-        new_nonfinite=new_nf, lost_nonfinite=lost_nf, unjudged=unjudged, flushed=ftz,
+        new_nonfinite=new_nf, lost_nonfinite=lost_nf, nan_for_infinite=nan_inf,
+        unjudged=unjudged, flushed=ftz,
         significant_not_flushed=n_sig - sig_ftz, golden_flushed=gold_fl,
         subnormal_golden=sub_g, subnormal_candidate=sub_c, max_abs=max_abs,
         max_floor_ratio=max_ratio, max_ulp=max_ulp), per_row[1]

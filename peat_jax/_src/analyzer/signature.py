@@ -46,6 +46,8 @@ class Counts:
       nonfinite_candidate / nonfinite_golden: NaN or +-inf in each.
       new_nonfinite: candidate non-finite where the golden is finite.
       lost_nonfinite: golden non-finite where the candidate is finite.
+      nan_for_infinite: candidate NaN where the golden is +-inf (a log-sum-exp of a fully
+        masked row that computes -inf - (-inf) where the reference returns -inf).
       unjudged: of those, the elements where the float64 reference is not finite either (a
         naive reference's exp past float64's range, inf / inf): nothing judges the candidate's
         value there (never significant; 0 without a float64 reference).
@@ -65,6 +67,7 @@ class Counts:
     nonfinite_golden: int
     new_nonfinite: int
     lost_nonfinite: int
+    nan_for_infinite: int
     unjudged: int
     significant: int
     flushed: int

@@ -309,11 +309,14 @@ def _canonical_nonfinite(w, dtype: str) -> bool:
 
 
 def _nan_inf(s: Signature) -> Optional[Match]:
-    """The candidate is NaN or +-inf at >= 1 element where the golden is finite, unless every
-    significant element is isolated and differs from the golden in at most T bits with a
-    non-canonical NaN (an exponent bit flip that produced a NaN: left to the bit-flip rules)."""
+    """The candidate is NaN or +-inf at >= 1 element where the golden is finite, or NaN where
+    the golden is +-inf (a log-sum-exp of a fully masked row: -inf - (-inf) where the reference
+    returns -inf), unless every significant element is isolated and differs from the golden
+    in at most T bits with a non-canonical NaN (an exponent bit flip that produced a NaN: left
+    to the bit-flip rules)."""
     c = s.counts
-    if c.new_nonfinite == 0:
+    n = c.new_nonfinite + c.nan_for_infinite
+    if n == 0:
         return None
     if (c.significant <= isolated_limit(s) and worst_all_listed(s) and all(
             len(fault_bits(w, s.dtype)) <= flip_limit(s.dtype) and not (
@@ -321,13 +324,18 @@ def _nan_inf(s: Signature) -> Optional[Match]:
                 math.isinf(w.candidate) and len(fault_bits(w, s.dtype)) > 1)
             for w in s.worst)):
         return None
-    w = next((x for x in s.worst if not math.isfinite(x.candidate)), None)
+    nonfinite = [x for x in s.worst if not math.isfinite(x.candidate)]
+    w = next((x for x in nonfinite if math.isfinite(x.golden) or (
+        math.isnan(x.candidate) and math.isinf(x.golden))), nonfinite[0] if nonfinite else None)
     at = (f", first at {index_text(w)} ({short(w.candidate)} where the golden is "
           f"{short(w.golden)})") if w else ""
-    ev = {"new_nonfinite": c.new_nonfinite, "nonfinite_golden": c.nonfinite_golden,
-          "elements": [list(x.index) for x in s.worst if not math.isfinite(x.candidate)]}
-    return Match(ev, 1.0, f"{c.new_nonfinite} non-finite values where the golden is "
-                           f"finite{at}")
+    ev = {"new_nonfinite": c.new_nonfinite, "nan_for_infinite": c.nan_for_infinite,
+          "nonfinite_golden": c.nonfinite_golden,
+          "elements": [list(x.index) for x in nonfinite]}
+    where = " and ".join(part for part, k in (
+        (f"{c.new_nonfinite} non-finite values where the golden is finite", c.new_nonfinite),
+        (f"{c.nan_for_infinite} NaN where the golden is infinite", c.nan_for_infinite)) if k)
+    return Match(ev, 1.0, f"{where}{at}")
 
 
 def _multi_bit_flip(s: Signature) -> Optional[Match]:
