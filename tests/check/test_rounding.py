@@ -279,6 +279,31 @@ def test_analyze_judges_against_the_spread_of_the_samples():
         analyze(candidate, golden, r64, rounding=samples[:, :4])
 
 
+@pytest.mark.parametrize("shape", [(16, 256), (24, 512)])   # in a bucket, and as it is
+def test_a_rows_scale_is_the_largest_error_of_the_golden_and_the_samples(shape):
+    """A cross-entropy-like gradient: per row one element near -1 (which the golden happens to
+    round exactly) and small ones. A candidate off by half an ULP at 1 at one small element per
+    row (rounding at the row's scale) fails against the golden's own row maxima and passes once
+    the samples, which round the large element as a correct kernel may, set them; 10x that
+    still fails."""
+    rows, cols = shape
+    rng = np.random.default_rng(0)
+    r64 = rng.uniform(1e-6, 1e-4, shape)
+    label = rng.integers(0, cols, rows)
+    r64[np.arange(rows), label] = -(1 - 2.0 ** -15)      # a float32: the golden is exact there
+    golden = r64.astype(np.float32)
+    # each sample rounds every element once more, by up to half an ULP of float32 there
+    ulp = np.spacing(np.abs(golden)).astype(np.float64)
+    samples = r64[None] + rng.uniform(-0.5, 0.5, (ROUNDING_SAMPLES, *shape)) * ulp[None]
+    away = (label + cols // 2) % cols
+    for error, passes in ((0.5 * 2.0 ** -23, True), (5 * 2.0 ** -23, False)):
+        candidate = golden.copy()
+        candidate[np.arange(rows), away] += np.float32(error)
+        assert not peat.detect(analyze(candidate, golden, r64)).passed
+        d = peat.detect(analyze(candidate, golden, r64, rounding=samples))
+        assert d.passed == passes, d.summary
+
+
 def _in_order_matmul(accumulator):
     """A matmul that adds its K products one after another in `accumulator`'s dtype, as a GPU
     thread does in float32 (correct) or a kernel with a 16-bit accumulator does (a fault)."""

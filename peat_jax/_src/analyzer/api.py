@@ -205,9 +205,9 @@ def _nonfloat_leaf(path: str, c, g, comparison: str) -> Signature:
                               n_mis, mismatch)
 
 
-def _leaf_stats(device, options: Options, c, g, r, k, extent=None):
-    """`device.leaf_stats` on `device`, transferred to the host (the reference and the
-    conditioning spread as float64)."""
+def _leaf_stats(device, options: Options, c, g, r, k, extent=None, m=None):
+    """`device.leaf_stats` on `device`, transferred to the host (the reference, the
+    conditioning spread and the rounding spread `m` as float64)."""
     c, g = jax.device_put(c, device), jax.device_put(g, device)
     if r is None:
         return leaf_stats(c, g, None, options, extent=extent)
@@ -215,24 +215,24 @@ def _leaf_stats(device, options: Options, c, g, r, k, extent=None):
         r64 = jax.device_put(jnp.asarray(r, jnp.float64), device)
         # the spread's magnitude is taken in the compiled program: eager jnp ops here would
         # compile programs of their own on a cold start
-        k64 = None if k is None else jax.device_put(
-            k if isinstance(k, jax.Array) else np.asarray(k, np.float64), device)
-        return leaf_stats(c, g, r64, options, k64, extent)
+        k64, m64 = (None if x is None else jax.device_put(
+            x if isinstance(x, jax.Array) else np.asarray(x, np.float64), device) for x in (k, m))
+        return leaf_stats(c, g, r64, options, k64, extent, m64)
 
 
 def _with_rounding(where: str, g, r, k, samples):
-    """(k, `RoundingFloor`): the conditioning spread `k` joined with the rounding spread of the
-    Monte Carlo `samples` (the larger per element), or `k` as it is (and None) without them."""
+    """(k, `RoundingFloor`, m): the conditioning spread `k` joined with the rounding spread `m`
+    of the Monte Carlo `samples` (the larger per element), or `k` as it is (and None, None)
+    without them."""
     if samples is None:
-        return k, None
+        return k, None, None
     if np.shape(samples)[1:] != np.shape(g) or np.ndim(samples) != np.ndim(g) + 1:
         raise PeatError(f"rounding{where} has shape {tuple(np.shape(samples))}, expected (S, "
                         f"*{tuple(np.shape(g))}): S samples of the golden's shape")
-    spread, floor = rounding_floor(samples, r, jnp.result_type(g))
-    if k is not None:
-        spread = np.maximum(spread, np.nan_to_num(np.abs(np.asarray(k, np.float64)), nan=0.0,
-                                                  posinf=0.0))
-    return spread, floor
+    rounded, floor = rounding_floor(samples, r, jnp.result_type(g))
+    spread = rounded if k is None else np.maximum(
+        rounded, np.nan_to_num(np.abs(np.asarray(k, np.float64)), nan=0.0, posinf=0.0))
+    return spread, floor, rounded
 
 
 def _analyze_leaf(path, c, g, r, k, reduction_length, noise_factor, ulp_allowance, comparison,
@@ -242,7 +242,7 @@ def _analyze_leaf(path, c, g, r, k, reduction_length, noise_factor, ulp_allowanc
     g_dt = jnp.result_type(g)
     if not jnp.issubdtype(g_dt, jnp.floating):
         return _nonfloat_leaf(path, c, g, comparison)
-    k, rounding = _with_rounding(where, g, r, k, samples)
+    k, rounding, m = _with_rounding(where, g, r, k, samples)
     if ulp_allowance is None:
         name = analyzed_format(g_dt).name
         ulp_allowance = DTYPE_ULP_ALLOWANCE[name] if r is None else REFERENCE_ULP_ALLOWANCE
@@ -254,13 +254,14 @@ def _analyze_leaf(path, c, g, r, k, reduction_length, noise_factor, ulp_allowanc
     device = _home(c, g)
     bucket = bucket_of(np.shape(g), g_dt, options.sample_size)
     if bucket is None:
-        stats = _leaf_stats(device, options, c, g, r, k)
+        stats = _leaf_stats(device, options, c, g, r, k, m=m)
     else:
         nan = np.asarray(np.nan, g_dt)
         stats = unpad(_leaf_stats(
             device, options, pad(c, bucket, nan), pad(g, bucket, nan),
             None if r is None else pad(np.asarray(r, np.float64), bucket, np.nan),
             None if k is None else pad(np.asarray(k, np.float64), bucket, 0.0),
-            extent=(np.int32(bucket.rows), np.int32(bucket.cols))), bucket)
+            extent=(np.int32(bucket.rows), np.int32(bucket.cols)),
+            m=None if m is None else pad(np.asarray(m, np.float64), bucket, 0.0)), bucket)
     return build_signature(path, tuple(np.shape(g)), g_dt, comparison, stats, options,
                            reduction_length, rounding)

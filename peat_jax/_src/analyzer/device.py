@@ -188,12 +188,13 @@ class LeafProgram:
 
 
 @LeafProgram
-def shape_program(c, g, r, options: Options, k=None, extent=None):
+def shape_program(c, g, r, options: Options, k=None, extent=None, m=None):
     """Everything but the sample's distributions and the stages of `detail_program`, compiled
     once per (shapes, dtypes, options) (a `LeafProgram`).
 
     `extent`: None for a leaf as it is; for a leaf padded into a bucket (`analyzer.bucket`),
     its (rows, cols) as int32 scalars, so that every leaf of the bucket shares the program.
+    `m`: the rounding spread of the reference's Monte Carlo samples or None (`leaf_scales`).
 
     Returns:
       (a `LeafStats` whose ``sample``, ``worst``, ``structure`` and ``permutation`` are None,
@@ -205,7 +206,7 @@ def shape_program(c, g, r, options: Options, k=None, extent=None):
     f = analyzed_format(g.dtype)
     c, g = Operand(c, None, f), Operand(g, None, f)
     idx = sample_index(c.size, options.sample_size)
-    s = leaf_scales(c, g, r, idx, options, f, k, extent)
+    s = leaf_scales(c, g, r, idx, options, f, k, extent, m)
     whole, row_cnt = whole_leaf(c, g, r, s, options, f)
     rel_tol = _relative_tolerance(s, r, options, f)
     noise_free = (whole.mismatched - whole.significant) <= NOISE_FREE_SHARE * s.rows * s.cols
@@ -221,13 +222,14 @@ def shape_program(c, g, r, options: Options, k=None, extent=None):
     if extent is not None:
         idx, valid = _in_flat_order(c.shape, extent)
     return (stats, gather_sample(c, g, r, idx, s, options, f, valid),
-            s._replace(E_row=None, E_col=None, K=None, rows=None, cols=None), noise_free,
+            s._replace(E_row=None, E_col=None, K=None, rows=None, cols=None, M_row=None,
+                       M_col=None), noise_free,
             row_cnt)
 
 
 @LeafProgram
 def detail_program(c, g, r, scales: Scales, n_sig, rel_tol, row_cnt, options: Options, k=None,
-                   extent=None) -> tuple[WorstStats, StructureStats, PermutationStats]:
+                   extent=None, m=None) -> tuple[WorstStats, StructureStats, PermutationStats]:
     """The worst elements, the structure of the significant mask and the permutation checks
     (`structure`) of a leaf with `n_sig` > 0 significant elements, given what `shape_program`
     returned for it (`scales`, its `rel_tol` and the rows' counts): compiled only when a leaf
@@ -236,7 +238,8 @@ def detail_program(c, g, r, scales: Scales, n_sig, rel_tol, row_cnt, options: Op
     `scales`' own."""
     f = analyzed_format(g.dtype)
     c, g = Operand(c, None, f), Operand(g, None, f)
-    s = leaf_scales(c, g, r, sample_index(c.size, options.sample_size), options, f, k, extent)
+    s = leaf_scales(c, g, r, sample_index(c.size, options.sample_size), options, f, k, extent,
+                    m)
     s = s._replace(rms=scales.rms, abs_floor=scales.abs_floor)
     worst, struct = structure(c, g, r, s, options, f, n_sig, rel_tol, row_cnt)
     return worst, struct, permutation(c, g, r, s, options, f, n_sig)
@@ -250,7 +253,7 @@ def sample_program(sample: Gathered, s: Scales, noise_free, options: Options) ->
     return sample_stats(sample, s, options, analyzed_format(sample.g_vals.dtype), noise_free)
 
 
-def leaf_stats(c, g, r, options: Options, k=None, extent=None) -> LeafStats:
+def leaf_stats(c, g, r, options: Options, k=None, extent=None, m=None) -> LeafStats:
     """The statistics of candidate `c` against golden `g` (same shape and float dtype), with the
     float64 reference `r` or None and, with `r`, the conditioning spread `k` (output units,
     `g`'s shape; its magnitude counts, a non-finite element as 0) or None, on the host:
@@ -258,19 +261,20 @@ def leaf_stats(c, g, r, options: Options, k=None, extent=None) -> LeafStats:
     shape compiles only the first), both fetched in one transfer per dtype (`to_host`); then,
     only where that says significant errors exist, `detail_program` and a second transfer
     (else `structure.no_detail`, built on the host). `extent`: see `shape_program` (the
-    operands then are a bucket's padded arrays).
+    operands then are a bucket's padded arrays); `m`: the rounding spread of the reference's
+    Monte Carlo samples or None (`elements.leaf_scales`).
 
     Returns:
       A `LeafStats` of numpy scalars and small vectors (see `contract`); for a bucket, in the
       padded array's coordinates (`bucket.unpad` maps them back).
     """
-    stats, sample, scales, noise_free, row_cnt = shape_program(c, g, r, options, k, extent)
+    stats, sample, scales, noise_free, row_cnt = shape_program(c, g, r, options, k, extent, m)
     stats = to_host(stats._replace(sample=sample_program(sample, scales, noise_free, options)))
     stats = stats._replace(sample=with_quantiles(stats.sample))
     if stats.whole.significant > 0:
         worst, struct, perm = to_host(detail_program(
             c, g, r, scales, stats.whole.significant, stats.scales.rel_tol, row_cnt, options, k,
-            extent))
+            extent, m))
     else:
         worst, struct, perm = _no_detail(tuple(c.shape), np.dtype(c.dtype), x64_enabled())
     return stats._replace(worst=worst, structure=struct, permutation=perm)

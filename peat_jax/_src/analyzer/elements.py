@@ -66,7 +66,8 @@ class Scales(NamedTuple):
 
     With a float64 reference, `E_row` / `E_col` are the golden's worst absolute error in each row
     / column of the 2-D view; the local scale of an element is the smaller of its row's and its
-    column's (`local_scale`).
+    column's (`local_scale`). With the rounding spread of the reference's Monte Carlo samples,
+    `M_row` / `M_col` are the largest of the golden's and the samples' (`leaf_scales`).
     """
 
     rms: Any                # rms of the finite golden values (sample)
@@ -79,6 +80,8 @@ class Scales(NamedTuple):
     K: Any = None           # the conditioning spread, (R, C) view, float64 (given only)
     rows: Any = None        # the leaf's rows R and columns C in its 2-D view: ints, or traced
     cols: Any = None        #   int32 when the leaf is padded into a bucket (`analyzer.bucket`)
+    M_row: Any = None       # E_row / E_col with the samples' errors (rounding spread only)
+    M_col: Any = None
 
 
 class Local(NamedTuple):
@@ -87,6 +90,8 @@ class Local(NamedTuple):
     noise: Any                # E_loc: the golden's own error scale (`local_scale`)
     conditioning: Any = None  # K: the float64 reference's spread under 1-ULP input
     #                           perturbations (None: not given)
+    rounding: Any = None      # E_loc over the golden's and the samples' errors (None: no
+    #                           rounding spread given)
 
 
 def _select(flag, a, b):
@@ -97,17 +102,21 @@ def _select(flag, a, b):
     return jnp.where(flag, a(), b())
 
 
-def _noise_scale(s: Scales, rows, cols):
-    """`Local.noise` at elements (rows, cols): see `local_scale`."""
+def _noise_scale(s: Scales, rows, cols, maxima=None):
+    """`Local.noise` at elements (rows, cols) (`local_scale`), or `Local.rounding` when
+    `maxima` is ``(s.M_row, s.M_col)``."""
     use_row, use_col = s.cols >= _THIN, s.rows >= _THIN
+    E_row, E_col = (s.E_row, s.E_col) if maxima is None else maxima
 
     def row():
-        return s.E_row[rows]
+        return E_row[rows]
 
     def col():
-        return s.E_col[cols]
+        return E_col[cols]
 
-    def leaf():
+    def leaf():   # the golden's own, samples or not: one element's rounding in a small
+        # leaf is no measure of the others' (a bfloat16 matmul's 16 x 8 output took its
+        # samples' largest as every element's scale, and a bfloat16 accumulator passed)
         return jnp.broadcast_to(s.E, jnp.shape(rows))
 
     return _select(use_row & use_col, lambda: jnp.minimum(row(), col()),
@@ -119,9 +128,15 @@ def local_scale(s: Scales, rows, cols) -> Local:
     scale is ``min(E_row[row], E_col[col])``; the row maximum alone when columns are shorter
     than 32, the column maximum alone when rows are, the leaf's maximum when both are (the
     maximum of fewer golden errors is too often small by luck). The conditioning spread is
-    K's element there."""
+    K's element there; `Local.rounding` the same minimum over `M_row` and `M_col`."""
     return Local(noise=_noise_scale(s, rows, cols),
-                 conditioning=None if s.K is None else s.K[rows, cols])
+                 conditioning=None if s.K is None else s.K[rows, cols],
+                 rounding=_rounding_scale(s, rows, cols))
+
+
+def _rounding_scale(s: Scales, rows, cols):
+    """`Local.rounding` at elements (rows, cols), or None without samples."""
+    return None if s.M_row is None else _noise_scale(s, rows, cols, (s.M_row, s.M_col))
 
 
 def local_scale_2d(s: Scales, R: int, C: int) -> Optional[Local]:
@@ -131,8 +146,9 @@ def local_scale_2d(s: Scales, R: int, C: int) -> Optional[Local]:
         return None
     rows = jnp.arange(R, dtype=jnp.int32)[:, None]
     cols = jnp.arange(C, dtype=jnp.int32)[None, :]
-    noise = _noise_scale(s, jnp.broadcast_to(rows, (R, C)), jnp.broadcast_to(cols, (R, C)))
-    return Local(noise=noise, conditioning=s.K)
+    rows, cols = jnp.broadcast_to(rows, (R, C)), jnp.broadcast_to(cols, (R, C))
+    return Local(noise=_noise_scale(s, rows, cols), conditioning=s.K,
+                 rounding=_rounding_scale(s, rows, cols))
 
 
 def local_scale_flat(s: Scales, idx, n: int, R: int, C: int) -> Optional[Local]:
@@ -155,11 +171,20 @@ def _rms(g, idx, f: FloatFormat):
 
 
 def leaf_scales(c, g, r, idx, options: Options, f: FloatFormat, k=None,
-                extent=None) -> Scales:
+                extent=None, m=None) -> Scales:
     """The `Scales` of a leaf: `c`, `g` are `Operand`s, `r` the float64 reference or None,
     `k` the conditioning spread (float64, output units; only with `r`) or None, `idx` the
     sample's flat indices; `extent` the (rows, cols) of a bucket's leaf (traced int32; its
-    arrays are padded with NaN beyond them), or None for a leaf as it is."""
+    arrays are padded with NaN beyond them), or None for a leaf as it is; `m` the rounding
+    spread of the reference's Monte Carlo samples (float64, output units; only with `r`) or
+    None.
+
+    With `m`, `M_row` and `M_col` are the largest error in each row and column of the golden
+    and of the samples: the golden is one rounding of the reference among them, and a row's
+    largest error in one rounding is a lucky draw (a cross-entropy's gradient row holds one
+    element near -1, p - 1 at the label, whose rounding sets the row's scale). They raise the
+    floor's value only (`_floor`): which elements the conditioning floor governs, and so the
+    distribution test's elements, stay as the golden's own errors set them."""
     rms = _rms(g, idx, f)
     R, C, _, _ = view2d(g.shape)
     rows, cols = (R, C) if extent is None else extent
@@ -173,6 +198,12 @@ def leaf_scales(c, g, r, idx, options: Options, f: FloatFormat, k=None,
     E_row, U_row = vreduce([e_g, u_g], ["max", "max"], (1,))
     E_col = jnp.max(e_g, axis=0)
     E, U = jnp.max(E_row), jnp.max(U_row)
+    M_row = M_col = None
+    if m is not None:   # the samples' spread where it and the reference are finite
+        m64 = m.reshape(R, C).astype(jnp.float64)
+        e_m = jnp.where(jnp.isfinite(rf) & jnp.isfinite(m64), jnp.abs(m64), 0.0)
+        M_row = jnp.maximum(E_row, jnp.max(e_m, axis=1))
+        M_col = jnp.maximum(E_col, jnp.max(e_m, axis=0))
     # 90th percentile of the golden's ULP error over the sample.
     us, oks = take(u_g, idx), take(ok, idx)
     key = jnp.sort(nonneg_key(us, oks))
@@ -184,7 +215,7 @@ def leaf_scales(c, g, r, idx, options: Options, f: FloatFormat, k=None,
         k64 = k.reshape(R, C).astype(jnp.float64)
         K = jnp.where(jnp.isfinite(rf) & jnp.isfinite(k64), jnp.abs(k64), 0.0)
     return Scales(rms=rms, abs_floor=options.noise_factor * E, E=E, U=U, E_row=E_row,
-                  E_col=E_col, U90=U90, K=K, rows=rows, cols=cols)
+                  E_col=E_col, U90=U90, K=K, rows=rows, cols=cols, M_row=M_row, M_col=M_col)
 
 
 class Elements(NamedTuple):
@@ -223,7 +254,8 @@ def _floor(dg: Decoded, cv, err_cg, r, s: Scales, options: Options, f: FloatForm
     """The `_Floor` of each element. With a float64 reference the noise floor is
     ``F * max(E_loc, U90 * ulp) + a * ulp`` and, with a conditioning spread K, the floor is
     ``F * max(E_loc, U90 * ulp, K) + a * ulp``: the larger of the noise floor and the
-    conditioning floor ``F * K + a * ulp``."""
+    conditioning floor ``F * K + a * ulp``; with Monte Carlo samples of the reference, E_loc
+    takes its row and column maxima over their errors too (`Local.rounding`)."""
     if r is None:
         ulp = ulp_of_magnitude(jnp.abs(dg.mono), f)
         floor = jnp.maximum(options.ulp_allowance * ulp + s.abs_floor,
@@ -243,6 +275,8 @@ def _floor(dg: Decoded, cv, err_cg, r, s: Scales, options: Options, f: FloatForm
         return _Floor(err=err, ulp=ulp, floor=noise, noise_floor=noise,
                       conditioned=jnp.zeros(jnp.shape(noise), bool))
     conditioned = cond > scale
+    if eloc is not None and eloc.rounding is not None:   # the samples' row and column maxima
+        scale = jnp.maximum(eloc.rounding, s.U90 * ulp)
     floor = jnp.maximum(options.noise_factor * jnp.maximum(scale, cond) +
                         options.ulp_allowance * ulp, tiny)
     return _Floor(err=err, ulp=ulp, floor=floor, noise_floor=noise, conditioned=conditioned)

@@ -211,6 +211,7 @@ class Gathered(NamedTuple):
     r: Any = None               # float64 reference at the sample (None without one)
     noise: Any = None           # `Local.noise` at the sample (reference only)
     conditioning: Any = None    # `Local.conditioning` at the sample (given only)
+    rounding: Any = None        # `Local.rounding` at the sample (a rounding spread given only)
 
 
 def _padded(x, size: int, fill):
@@ -226,9 +227,7 @@ def gather_sample(c, g, r, idx, s: Scales, options: Options, f: FloatFormat,
     R, C, _, _ = view2d(c.shape)
     eloc = local_scale_flat(s, idx, c.size, R, C)
     if eloc is not None and valid is not None:
-        eloc = Local(noise=jnp.where(valid, eloc.noise, 0.0),
-                     conditioning=None if eloc.conditioning is None else
-                     jnp.where(valid, eloc.conditioning, 0.0))
+        eloc = Local(*(None if x is None else jnp.where(valid, x, 0.0) for x in eloc))
     size = options.sample_size
     nan = jnp.full((), jnp.nan, f.dtype)
     nan_bits = lax.bitcast_convert_type(nan, cs.bits.dtype)
@@ -237,7 +236,8 @@ def gather_sample(c, g, r, idx, s: Scales, options: Options, f: FloatFormat,
         g_vals=_padded(gs.vals, size, nan), g_bits=_padded(gs.bits, size, nan_bits),
         r=None if r is None else _padded(take(r, idx).astype(jnp.float64), size, jnp.nan),
         noise=None if eloc is None else _padded(eloc.noise, size, 0.0),
-        conditioning=None if eloc is None else _padded(eloc.conditioning, size, 0.0))
+        conditioning=None if eloc is None else _padded(eloc.conditioning, size, 0.0),
+        rounding=None if eloc is None else _padded(eloc.rounding, size, 0.0))
 
 
 def sample_stats(sample: Gathered, s: Scales, options: Options, f: FloatFormat,
@@ -253,7 +253,8 @@ def sample_stats(sample: Gathered, s: Scales, options: Options, f: FloatFormat,
     cs = Operand(sample.c_vals, sample.c_bits, f)
     gs = Operand(sample.g_vals, sample.g_bits, f)
     rs = sample.r
-    eloc = None if sample.noise is None else Local(sample.noise, sample.conditioning)
+    eloc = None if sample.noise is None else Local(sample.noise, sample.conditioning,
+                                                   sample.rounding)
     el = elements(cs, gs, rs, s, options, f, eloc)
     sm = _sample(el, rs, s, f, noise_free)
     counts, per_bit, (ulp, popcount, tz_c, tz_g) = _counts_and_histograms(sm, f)
