@@ -318,6 +318,19 @@ def test_pytree_worst_leaf_and_json():
     json.dumps(inf, allow_nan=False)
 
 
+@pytest.mark.parametrize("golden_inf", [-np.inf, np.inf])
+def test_a_nan_where_the_golden_is_infinite_makes_the_worst_leaf(golden_inf):
+    # leaf "a" is wrong everywhere (3x); leaf "b" holds one NaN where the golden is infinite,
+    # as a new non-finite value would: it is the leaf reported
+    g = {"a": np.arange(1, 9, dtype=np.float32), "b": np.ones(SHAPE, np.float32)}
+    g["b"][2, 3] = golden_inf
+    c = {"a": g["a"] * 3, "b": g["b"].copy()}
+    c["b"][2, 3] = np.nan
+    s = analyze(c, g)
+    assert s.path == "['b']" and s.counts.nan_for_infinite == 1
+    assert s.leaves[0].counts.nan_for_infinite == 0
+
+
 def test_one_compile_per_shape_and_dtype():
     g = _normal(7)
     before = cache_size(A.device.shape_program)

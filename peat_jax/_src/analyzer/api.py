@@ -150,10 +150,11 @@ def _check_options(reference64, noise_factor, comparison, sample_size) -> None:
 
 
 def _severity(sig: Signature) -> tuple:
-    """Sort key of leaf signatures, worst last: new non-finite values, then the share of
-    significant errors, the largest floor ratio, the share of mismatched elements."""
+    """Sort key of leaf signatures, worst last: new non-finite values (or NaN where the golden
+    is infinite: `nan_inf` either way), then the share of significant errors, the largest floor
+    ratio, the share of mismatched elements."""
     n = max(sig.counts.elements, 1)
-    return (sig.counts.new_nonfinite > 0, sig.counts.significant / n,
+    return (sig.counts.new_nonfinite + sig.counts.nan_for_infinite > 0, sig.counts.significant / n,
             sig.errors.max_floor_ratio if math.isfinite(sig.errors.max_floor_ratio) else 1e300,
             sig.counts.mismatched / n)
 
