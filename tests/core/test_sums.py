@@ -1,4 +1,5 @@
-"""`sums.row_sums`: exact integer sums along the last axis, without a full-size temporary."""
+"""`sums`: exact integer sums along the last axis without a full-size temporary (`row_sums`),
+and whole arrays reduced together (`reduce_all`)."""
 from __future__ import annotations
 
 import jax
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 from peat_jax._src.analyzer.sample import bit_counts
-from peat_jax._src.sums import row_sums
+from peat_jax._src.sums import reduce_all, row_sums
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.uint32])
@@ -35,6 +36,33 @@ def test_row_sums_write_nothing_of_the_inputs_size(shape):
     compiled = jax.jit(lambda x: row_sums([x * x + jnp.uint32(3), (x > 0).astype(jnp.int32)])
                        ).lower(x).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < x.nbytes / 2
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint32])
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 96), (1 << 16,), (5, 4096), (3, 1000),
+                                   (1 << 18,)])
+def test_reduce_all_is_each_arrays_plain_reduction(dtype, shape):
+    """Every size (odd, a power of two, a multiple of three), float32 and integer arrays in one
+    pass: a maximum exactly `max` (NaN where the array holds a NaN, one array alone too), a
+    float sum `sum`'s up to float32 rounding, an integer sum exactly (uint32 wrapping modulo
+    2**32), each in its own dtype."""
+    rng = np.random.default_rng(shape[-1])
+    x = np.asarray(rng.standard_normal(shape) * 3).astype(np.float32)
+    with_nan = x.copy()
+    with_nan.reshape(-1)[-1] = np.nan
+    words = rng.integers(0, np.iinfo(dtype).max, shape, dtype=np.int64).astype(dtype)
+    counts = (x > 1).astype(dtype)
+    xs = [jnp.asarray(a) for a in (x, x, with_nan, words, counts, words)]
+    total, biggest, nan_max, word_sum, count, word_max = jax.jit(
+        lambda xs: reduce_all(xs, ["sum", "max", "max", "sum", "sum", "max"]))(xs)
+    v = x.astype(np.float64)
+    np.testing.assert_allclose(float(total), v.sum(), rtol=1e-5, atol=1e-6 * np.abs(v).sum())
+    assert float(biggest) == v.max() and np.isnan(float(nan_max))
+    assert int(np.asarray(word_sum).view(np.uint32)) == int(
+        words.astype(np.int64).sum() % (1 << 32))
+    assert int(count) == int(counts.sum()) and int(word_max) == int(words.max())
+    assert word_sum.dtype == dtype and count.dtype == dtype
+    assert np.isnan(float(jax.jit(lambda a: reduce_all([a], ["max"])[0])(with_nan)))
 
 
 @pytest.mark.parametrize("n", [1, 100, 128, 8192, 8193])

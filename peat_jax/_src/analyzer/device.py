@@ -32,12 +32,13 @@ from peat_jax._src.analyzer.contract import (ConditioningStats, LeafScales, Leaf
                                              PermutationStats, SampleStats, StructureStats,
                                              WholeLeaf, WorstStats, view2d)
 from peat_jax._src.analyzer.elements import (Elements, Scales, elements, i32, leaf_scales,
-                                             local_scale_2d, sample_index, vreduce)
+                                             local_scale_2d, sample_index)
 from peat_jax._src.analyzer.noise import NOISE_FREE_SHARE, analyzed_format
 from peat_jax._src.analyzer.quantiles import with_quantiles
 from peat_jax._src.analyzer.sample import Gathered, gather_sample, sample_stats
 from peat_jax._src.analyzer.structure import no_detail, permutation, structure
 from peat_jax._src.formats import FloatFormat
+from peat_jax._src.sums import vreduce
 
 T = TypeVar("T")
 

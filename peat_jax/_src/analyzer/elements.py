@@ -7,7 +7,7 @@ leaf, each element's error, floor and whether it is significant. Every stage rec
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +17,7 @@ from peat_jax._src.analyzer.bits import (Decoded, decode, nonneg_key, ranks, tak
                                          values)
 from peat_jax._src.analyzer.contract import Options, view2d
 from peat_jax._src.formats import FloatFormat, ulp_of_magnitude, ulp_of_value
+from peat_jax._src.sums import vreduce
 
 
 _THIN = 32
@@ -26,28 +27,6 @@ _THIN = 32
 def i32(m):
     """A mask as int32 (0 / 1), to be counted."""
     return m.astype(jnp.int32)
-
-
-def vreduce(ops: Sequence, kinds: Sequence[str], axes):
-    """One variadic reduction ("sum" / "max" / "min" per operand): a single pass over the data
-    (XLA:CPU vectorises multi-operand integer reductions much better than separate ones)."""
-    inits = []
-    for o, k in zip(ops, kinds):
-        dt = o.dtype
-        if k == "sum":
-            inits.append(jnp.zeros((), dt))
-        elif jnp.issubdtype(dt, jnp.floating):
-            inits.append(jnp.asarray(-jnp.inf if k == "max" else jnp.inf, dt))
-        else:
-            ii = jnp.iinfo(dt)
-            inits.append(jnp.asarray(ii.min if k == "max" else ii.max, dt))
-
-    def comb(x, y):
-        return tuple(a + b if k == "sum" else (jnp.maximum(a, b) if k == "max" else
-                                               jnp.minimum(a, b))
-                     for a, b, k in zip(x, y, kinds))
-
-    return lax.reduce(tuple(ops), tuple(inits), comb, axes)
 
 
 def sample_index(n: int, size: int) -> Optional[np.ndarray]:

@@ -15,9 +15,10 @@ from peat_jax._src.analyzer.bits import decode, from_monotonic, operand_of_bits,
 from peat_jax._src.analyzer.contract import (Options, PermutationStats, StructureStats, WorstStats,
                                              view2d)
 from peat_jax._src.analyzer.elements import (Elements, Scales, elements, i32, local_scale,
-                                             local_scale_2d, vreduce)
+                                             local_scale_2d)
 from peat_jax._src.analyzer.signature import N_WORST, PERMUTATION_MAX_ELEMENTS
 from peat_jax._src.formats import FloatFormat, ulp_of_magnitude
+from peat_jax._src.sums import vreduce
 
 
 _FULL_SHARE = (9, 10)   # a row / column with this share of its elements wrong is "full"
