@@ -257,7 +257,7 @@ def test_a_kernel_in_the_program_is_refused():
 
 def test_analyze_judges_against_the_spread_of_the_samples():
     """An element whose error is within F times the samples' spread passes with the rounding
-    floor and fails without it; the signature records the floor."""
+    floor and fails without it; the signature records the floor, the summary names it."""
     golden = np.zeros((8, 64), np.float32)
     r64 = np.zeros((8, 64))
     samples = np.zeros((ROUNDING_SAMPLES, 8, 64))
@@ -268,6 +268,8 @@ def test_analyze_judges_against_the_spread_of_the_samples():
     within = analyze(candidate, golden, r64, rounding=samples)
     assert not peat.detect(without).passed
     assert peat.detect(within).passed, peat.detect(within).summary
+    assert ("or the rounding floor (inputs perturbed at 1 ULP move the float64 result, or "
+            f"{ROUNDING_SAMPLES} correct roundings") in peat.detect(within).summary
     assert isinstance(within.noise.rounding, RoundingFloor)
     assert within.noise.rounding.samples == ROUNDING_SAMPLES
     assert within.noise.rounding.max_spread == pytest.approx(1e-3)
@@ -444,6 +446,8 @@ def test_an_lse_attention_backward_passes_and_a_bug_in_it_fails():
     assert d.passed, d.summary
     assert any(c.endswith("on example") for c in d.evidence.get("rounding_checks", [])), \
         d.evidence   # the rounding floor was needed
+    # and is named alone for them: not as the problem's conditioning as well
+    assert not set(d.evidence["rounding_checks"]) & set(d.evidence.get("conditioned_checks", []))
     bad = peat.check_kernel(_lse_attention(1.001), jax.jit(_attention), q, k, v,
                             variants=variants)
     assert not bad.passed, bad.summary

@@ -153,6 +153,8 @@ def _rounded(checks: Sequence[Check]) -> list[str]:
 
 def _conditioned(checks: Sequence[Check]) -> list[str]:
     """The passing checks ("output on variant") that the conditioning floor made pass: elements
-    beyond the noise floor within it."""
+    beyond the noise floor within it; not those judged with the rounding floor (`_rounded`),
+    which it joins there: they failed without it."""
     return [f"{c.output} on {c.variant}" for c in checks if c.diagnosis.passed and
+            c.diagnosis.evidence.get("rounding_floor") is None and
             (c.diagnosis.evidence.get("conditioning_floor") or {}).get("decisive", 0) > 0]

@@ -150,15 +150,22 @@ def _numerical_noise(s: Signature) -> Optional[Match]:
 
 def _conditioning_note(nz) -> str:
     """The summary's words on the conditioning floor when it made a difference (it passed
-    elements beyond the noise floor, or took elements out of the distribution test)."""
+    elements beyond the noise floor, or took elements out of the distribution test). With the
+    rounding floor, its spread is part of that floor's (`analyze(rounding=)`): the words name
+    both."""
     k = None if nz is None else nz.conditioning
     if k is None or (k.decisive == 0 and k.dominant == 0):
         return ""
-    passed = (f"{k.decisive} elements beyond the noise floor are" if k.decisive
+    passed = (("1 element beyond the noise floor is" if k.decisive == 1 else
+               f"{k.decisive} elements beyond the noise floor are") if k.decisive
               else "the errors are")
-    return (f", {passed} within the problem's conditioning (inputs perturbed at 1 ULP move the "
-            f"float64 result by up to {short(k.max_spread)}; that floor is up to "
-            f"{short(k.max_ratio)}x the noise floor)")
+    spread = short(k.max_spread)
+    moved = (f"the problem's conditioning (inputs perturbed at 1 ULP move the float64 result by "
+             f"up to {spread}" if nz.rounding is None else
+             f"the problem's conditioning or the rounding floor (inputs perturbed at 1 ULP move "
+             f"the float64 result, or {nz.rounding.samples} correct roundings of the reference "
+             f"depart from it, by up to {spread}")
+    return f", {passed} within {moved}; that floor is up to {short(k.max_ratio)}x the noise floor)"
 
 
 def _stuck_pattern(s: Signature) -> Optional[tuple[int, int]]:
