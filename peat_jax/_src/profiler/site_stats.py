@@ -297,7 +297,8 @@ def _blocked_stats(xs: Sequence[jax.Array], sampling: Sampling) -> SiteStats:
     fold = _fold_sums if len(L.sizes) * len(L.offsets) <= FOLD_MAX else _gathered_sums
     sums = fold(L, s, q, z, nf, checksum)
     n = jnp.asarray(L.sizes, jnp.float32)
-    return SiteStats(nonfinite=sums[3], absmax=_with_nans(absmax, sums[3]), mean=sums[0] / n, rms=jnp.sqrt(sums[1] / n),
+    return SiteStats(nonfinite=sums[3], absmax=_with_nans(absmax, sums[3]), mean=sums[0] / n,
+                     rms=jnp.sqrt(sums[1] / n),
                      zeros=(sums[2] - jnp.asarray(L.pads)).astype(jnp.float32) / n,
                      checksum=sums[4], sample=values.reshape(-1)[jnp.asarray(L.sample)])
 
