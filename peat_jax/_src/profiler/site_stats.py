@@ -229,9 +229,14 @@ def _exact_counts(values: jax.Array, bits: jax.Array, offsets: jax.Array):
     (uint32 [R]: the index of each row's first element in its output). Integer sums
     (`sums.row_sums`: XLA:CPU would otherwise write each summand out at full size first)."""
     index = offsets[:, None] + lax.broadcasted_iota(jnp.uint32, values.shape, 1)
-    return tuple(row_sums([(values == 0).astype(jnp.int32),
-                           (~jnp.isfinite(values)).astype(jnp.int32),
-                           bits * (index * jnp.uint32(2) + jnp.uint32(1))]))
+    return tuple(row_sums(_count_terms(values, bits, index)))
+
+
+def _count_terms(values: jax.Array, bits: jax.Array, index: jax.Array) -> list[jax.Array]:
+    """The summands of the zero count, the non-finite count (int32 masks) and the checksum
+    (uint32: each element's bit pattern times 2 i + 1, `index` its i in its output)."""
+    return [(values == 0).astype(jnp.int32), (~jnp.isfinite(values)).astype(jnp.int32),
+            bits * (index * jnp.uint32(2) + jnp.uint32(1))]
 
 
 def batch_stats(xs: Sequence[jax.Array], sampling: Sampling = Sampling()) -> SiteStats:
@@ -364,15 +369,13 @@ def _fold_sums(L: _Layout, s, q, z, nf, checksum):
 def site_stats(x: jax.Array, sampling: Sampling = Sampling()) -> SiteStats:
     """The `SiteStats` of one output `x` (jittable), computed where it is (no copy): what a site
     inside a `scan` records per iteration, and `batch_stats` for a large output. One pass over
-    `x` for all six statistics (`sums.reduce_all`); the checksum bitwise what `_exact_counts`
-    gives, the sums equal to `jnp.sum`'s up to float32 rounding."""
+    `x` for all six statistics (`sums.reduce_all`); the counts and checksum of the same summands
+    as `_exact_counts` (bitwise its), the sums equal to `jnp.sum`'s up to float32 rounding."""
     flat = x.reshape(-1)
     n = flat.size
     v = flat.astype(jnp.float32)
-    index = lax.iota(jnp.uint32, n)
     total, squares, absmax, zeros, nonfinite, checksum = reduce_all(
-        [v, v * v, jnp.abs(v), (v == 0).astype(jnp.int32), (~jnp.isfinite(v)).astype(jnp.int32),
-         _bits32(flat) * (index * jnp.uint32(2) + jnp.uint32(1))],
+        [v, v * v, jnp.abs(v), *_count_terms(v, _bits32(flat), lax.iota(jnp.uint32, n))],
         ["sum", "sum", "max", "sum", "sum", "sum"])
     return SiteStats(nonfinite=nonfinite, absmax=absmax, mean=total / n,
                      rms=jnp.sqrt(squares / n), zeros=zeros.astype(jnp.float32) / n,
